@@ -1,0 +1,65 @@
+"""The backbone contract every vtdense backbone follows.
+
+A backbone maps an NCHW image batch of any height and width to an ordered dict of NCHW
+feature maps, one per requested stage, in stride order. Heads are built from the
+attributes declared here, never by running a dummy image.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Backbone"]
+
+
+class Backbone(nn.Module):
+    """Abstract base of vtdense backbones.
+
+    Subclasses set, before any forward:
+        out_names: keys of the returned dict, e.g. ``["stage1", "stage2", "stage3", "stage4"]``.
+        out_channels: channels of each returned map.
+        out_strides: stride of each returned map relative to the input image.
+        size_divisibility: padding multiple the model prefers (inputs of any size work).
+        in_chans: number of input channels.
+    """
+
+    out_names: list[str]
+    out_channels: list[int]
+    out_strides: list[int]
+    size_divisibility: int = 32
+    in_chans: int = 3
+
+    def output_shape(self) -> dict[str, dict[str, int]]:
+        """Channels and stride of each output, keyed like ``forward``'s result."""
+        return {
+            name: {"channels": c, "stride": s}
+            for name, c, s in zip(self.out_names, self.out_channels, self.out_strides)
+        }
+
+    def check_input(self, x: Tensor) -> None:
+        """Raise one clear error for inputs the backbone cannot take."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{type(self).__name__} expects a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(
+                f"{type(self).__name__} expects an NCHW batch (4-D tensor), got shape {tuple(x.shape)}; "
+                "add a batch dimension with x.unsqueeze(0) for a single image"
+            )
+        if x.shape[1] != self.in_chans:
+            raise ValueError(
+                f"{type(self).__name__} was built for in_chans={self.in_chans} but the input has "
+                f"{x.shape[1]} channels (shape {tuple(x.shape)}); pass in_chans={x.shape[1]} to create_backbone"
+            )
+        if x.shape[2] < 1 or x.shape[3] < 1:
+            raise ValueError(f"{type(self).__name__} got an empty image, shape {tuple(x.shape)}")
+        if not torch.is_floating_point(x):
+            raise TypeError(
+                f"{type(self).__name__} expects a floating point image, got dtype {x.dtype}; "
+                "convert with x.float() (and normalise) first"
+            )
+
+    def forward(self, x: Tensor) -> "OrderedDict[str, Tensor]":  # pragma: no cover - abstract
+        raise NotImplementedError

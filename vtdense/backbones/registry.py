@@ -1,0 +1,43 @@
+"""Name -> builder registry for backbones (plain dicts, like SMP's encoder tables)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from torch import nn
+
+__all__ = ["register_backbone", "create_backbone", "list_backbones"]
+
+_BACKBONES: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_backbone(name: str) -> Callable[[Callable[..., nn.Module]], Callable[..., nn.Module]]:
+    """Decorator registering ``fn(**overrides) -> Backbone`` under ``name``."""
+
+    def wrap(fn: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+        if name in _BACKBONES:
+            raise ValueError(f"backbone {name!r} is already registered")
+        _BACKBONES[name] = fn
+        return fn
+
+    return wrap
+
+
+def list_backbones() -> list[str]:
+    """Names accepted by :func:`create_backbone`, sorted."""
+    return sorted(_BACKBONES)
+
+
+def create_backbone(name: str, **overrides: Any) -> nn.Module:
+    """Build a registered backbone with random weights.
+
+    Args:
+        name: one of :func:`list_backbones`.
+        **overrides: config fields to change (``window_size``, ``drop_path_rate``, ``out_indices``, ...).
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones) or unknown override.
+    """
+    if name not in _BACKBONES:
+        raise ValueError(f"unknown backbone {name!r}; known backbones: {', '.join(list_backbones())}")
+    return _BACKBONES[name](**overrides)

@@ -1,0 +1,101 @@
+"""Optimiser parameter groups and learning-rate schedules shared by the tasks."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["NO_DECAY_KEYWORDS", "param_groups", "warmup_schedule"]
+
+#: Parameter-name fragments that never get weight decay (position tables, logit scales, ...).
+NO_DECAY_KEYWORDS: tuple[str, ...] = (
+    "relative_position_bias_table",
+    "cpb_mlp",
+    "logit_scale",
+    "rel_pos_h",
+    "rel_pos_w",
+    "pos_embed",
+    "absolute_pos_embed",
+    "q_bias",
+    "v_bias",
+)
+
+
+def _no_decay(name: str, param: torch.Tensor, extra: Iterable[str]) -> bool:
+    # 1-D tensors are norms' weights/biases and linear/conv biases.
+    if param.ndim <= 1 or name.endswith(".bias"):
+        return True
+    return any(k in name for k in (*NO_DECAY_KEYWORDS, *extra))
+
+
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    *,
+    no_decay_keywords: Sequence[str] = (),
+    backbone_prefix: str | None = None,
+    backbone_lr_mult: float = 1.0,
+) -> list[dict]:
+    """Split trainable parameters into decay / no-decay groups (optionally a backbone lr multiplier).
+
+    Norm weights, biases, position tables and logit scales get no weight decay, as in the
+    Swin / MViTv2 detection recipes. Each group carries ``lr_mult`` so schedules can scale it.
+    """
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    names: dict[tuple[bool, bool], list[str]] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        key = (_no_decay(name, p, no_decay_keywords), bool(backbone_prefix and name.startswith(backbone_prefix)))
+        groups.setdefault(key, []).append(p)
+        names.setdefault(key, []).append(name)
+    out = []
+    for (nd, bb), params in sorted(groups.items()):
+        out.append(
+            {
+                "params": params,
+                "weight_decay": 0.0 if nd else weight_decay,
+                "lr_mult": backbone_lr_mult if bb else 1.0,
+                "param_names": names[(nd, bb)],
+            }
+        )
+    return out
+
+
+def warmup_schedule(
+    step: int,
+    *,
+    total_steps: int,
+    warmup_steps: int = 0,
+    warmup_factor: float = 1e-3,
+    kind: str = "step",
+    milestones: Sequence[int] = (),
+    gamma: float = 0.1,
+    power: float = 1.0,
+    min_factor: float = 0.0,
+) -> float:
+    """Learning-rate multiplier at ``step`` (0-based): linear warmup then step, cosine or poly.
+
+    Args:
+        kind: ``"step"`` (multiply by ``gamma`` at each of ``milestones``), ``"cosine"`` or ``"poly"``
+            (``(1 - t) ** power``), ``"constant"``.
+    """
+    if kind == "step":
+        factor = gamma ** sum(step >= m for m in milestones)
+    elif kind == "cosine":
+        t = min(step / max(total_steps, 1), 1.0)
+        factor = min_factor + (1 - min_factor) * 0.5 * (1 + math.cos(math.pi * t))
+    elif kind == "poly":
+        t = min(step / max(total_steps, 1), 1.0)
+        factor = min_factor + (1 - min_factor) * (1 - t) ** power
+    elif kind == "constant":
+        factor = 1.0
+    else:
+        raise ValueError(f"unknown lr schedule {kind!r}; choose one of step, cosine, poly, constant")
+    if warmup_steps > 0 and step < warmup_steps:
+        alpha = step / warmup_steps
+        factor *= warmup_factor * (1 - alpha) + alpha
+    return factor
