@@ -1,3 +1,16 @@
-"""vtdense: hierarchical vision transformers for dense prediction."""
+"""vtdense: hierarchical vision transformers (Swin V1/V2, MViTv2) for dense prediction."""
+
+from vtdense.backbones import Backbone, create_backbone, list_backbones, register_backbone
+from vtdense.checkpoints.convert import CheckpointError, load_pretrained
 
 __version__ = "0.1.0.dev0"
+
+__all__ = [
+    "Backbone",
+    "CheckpointError",
+    "__version__",
+    "create_backbone",
+    "list_backbones",
+    "load_pretrained",
+    "register_backbone",
+]

@@ -1,0 +1,459 @@
+"""Swin Transformer V1 and V2 as dense-prediction backbones.
+
+- V1: "Swin Transformer: Hierarchical Vision Transformer using Shifted Windows",
+  Liu et al., ICCV 2021 (https://arxiv.org/abs/2103.14030).
+- V2: "Swin Transformer V2: Scaling Up Capacity and Resolution", Liu et al., CVPR 2022
+  (https://arxiv.org/abs/2111.09883).
+
+One family: V2 is V1 with residual post-norm, scaled cosine attention, a log-spaced continuous
+position bias (Log-CPB), q/v biases without a k bias, and patch merging that reduces then norms.
+
+Any input size works: the image is padded to the patch size, odd maps are padded before patch
+merging, windows shrink to maps smaller than them (and drop the shift), and maps that are not
+window multiples are padded with the padded tokens masked out as keys. Parameter names follow
+timm's, so timm checkpoints load without renaming.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from vtdense.backbones.base import Backbone
+from vtdense.backbones.registry import register_backbone
+from vtdense.layers.attention import attention
+from vtdense.layers.drop import DropPath
+from vtdense.layers.position import log_spaced_coords, relative_position_index
+from vtdense.layers.windows import (
+    effective_window,
+    pad_to_window,
+    to_2tuple,
+    window_attention_mask,
+    window_partition,
+    window_reverse,
+)
+
+__all__ = ["WindowAttention", "SwinBlock", "PatchMerging", "SwinTransformer"]
+
+_LOGIT_SCALE_MAX = math.log(100.0)
+
+
+class WindowAttention(nn.Module):
+    """Multi-head self-attention inside (shifted) windows with a relative position bias.
+
+    Args:
+        dim: channels.
+        num_heads: attention heads.
+        window_size: nominal window ``(h, w)``; the position table is made for it.
+        cosine: Swin V2 scaled cosine attention with Log-CPB (otherwise V1's bias table).
+        pretrained_window_size: V2 only; window the Log-CPB coordinates are normalised by
+            (0 = ``window_size``), to fine-tune at a larger window than pre-training.
+        qkv_bias: learn q/k/v biases (V2: q and v only).
+        attn_drop: dropout on attention weights.
+        proj_drop: dropout after the output projection.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        window_size: tuple[int, int],
+        *,
+        cosine: bool = False,
+        pretrained_window_size: tuple[int, int] = (0, 0),
+        qkv_bias: bool = True,
+        attn_drop: float = 0.0,
+        proj_drop: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.dim, self.num_heads, self.window_size, self.cosine = dim, num_heads, window_size, cosine
+        self.attn_drop = attn_drop
+        table_rows = (2 * window_size[0] - 1) * (2 * window_size[1] - 1)
+        if cosine:
+            self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+            self.q_bias = nn.Parameter(torch.zeros(dim)) if qkv_bias else None
+            self.v_bias = nn.Parameter(torch.zeros(dim)) if qkv_bias else None
+            self.logit_scale = nn.Parameter(torch.full((num_heads, 1, 1), math.log(10.0)))
+            self.cpb_mlp = nn.Sequential(
+                nn.Linear(2, 512, bias=True), nn.ReLU(inplace=True), nn.Linear(512, num_heads, bias=False)
+            )
+            norm_window = pretrained_window_size if pretrained_window_size[0] > 0 else window_size
+            self.register_buffer(
+                "relative_coords_table", log_spaced_coords(window_size, norm_window), persistent=False
+            )
+        else:
+            self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+            self.relative_position_bias_table = nn.Parameter(torch.zeros(table_rows, num_heads))
+            nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def position_bias(self, window: tuple[int, int]) -> Tensor:
+        """``(heads, N, N)`` bias for a window no larger than the nominal one."""
+        if self.cosine:
+            table = 16 * torch.sigmoid(self.cpb_mlp(self.relative_coords_table))
+        else:
+            table = self.relative_position_bias_table
+        idx = relative_position_index(window, self.window_size, table.device)
+        n = window[0] * window[1]
+        return table[idx.view(-1)].view(n, n, -1).permute(2, 0, 1)
+
+    def forward(self, x: Tensor, window: tuple[int, int], mask: Tensor | None = None) -> Tensor:
+        """Attend within windows.
+
+        Args:
+            x: ``(B, nW, N, C)`` tokens grouped by window.
+            window: the window ``(h, w)`` in use (``N = h * w``).
+            mask: additive ``(nW, N, N)`` shift/padding mask or ``None``.
+        """
+        B, nW, N, C = x.shape
+        if self.cosine and self.q_bias is not None:
+            bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
+            qkv = F.linear(x, self.qkv.weight, bias)
+        else:
+            qkv = self.qkv(x)
+        q, k, v = qkv.view(B, nW, N, 3, self.num_heads, C // self.num_heads).permute(3, 0, 1, 4, 2, 5).unbind(0)
+        attn_mask = self.position_bias(window)
+        if mask is not None:
+            attn_mask = attn_mask[None] + mask[:, None]
+        if self.cosine:
+            scale = torch.clamp(self.logit_scale, max=_LOGIT_SCALE_MAX).exp()
+            q = F.normalize(q, dim=-1) * scale
+            k = F.normalize(k, dim=-1)
+            out = attention(q, k, v, attn_mask, scale=1.0, dropout=self.attn_drop if self.training else 0.0)
+        else:
+            out = attention(q, k, v, attn_mask, dropout=self.attn_drop if self.training else 0.0)
+        out = out.permute(0, 1, 3, 2, 4).reshape(B, nW, N, C)
+        return self.proj_drop(self.proj(out))
+
+
+class Mlp(nn.Module):
+    """Two-layer GELU MLP (names ``fc1``/``fc2`` as in timm)."""
+
+    def __init__(self, dim: int, hidden: int, drop: float = 0.0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden, dim)
+        self.drop = nn.Dropout(drop)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+
+
+class SwinBlock(nn.Module):
+    """One W-MSA or SW-MSA block on a channels-last ``(B, H, W, C)`` map.
+
+    V1 is pre-norm ``x + F(LN(x))``; V2 (``post_norm=True``) is ``x + LN(F(x))``.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int,
+        window_size: tuple[int, int],
+        *,
+        shifted: bool,
+        post_norm: bool = False,
+        pretrained_window_size: tuple[int, int] = (0, 0),
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop: float = 0.0,
+        attn_drop: float = 0.0,
+        drop_path: float = 0.0,
+        extra_norm: bool = False,
+    ) -> None:
+        super().__init__()
+        self.window_size = window_size
+        self.shift_size = (window_size[0] // 2, window_size[1] // 2) if shifted else (0, 0)
+        self.post_norm = post_norm
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = WindowAttention(
+            dim,
+            num_heads,
+            window_size,
+            cosine=post_norm,
+            pretrained_window_size=pretrained_window_size,
+            qkv_bias=qkv_bias,
+            attn_drop=attn_drop,
+            proj_drop=drop,
+        )
+        self.drop_path1 = DropPath(drop_path)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.drop_path2 = DropPath(drop_path)
+        # Swin V2's extra main-branch norm (used every few blocks in the largest models).
+        self.norm3 = nn.LayerNorm(dim) if extra_norm else None
+
+    def _window_attention(self, x: Tensor) -> Tensor:
+        B, H, W, C = x.shape
+        window, shift = effective_window((H, W), self.window_size, self.shift_size)
+        x = pad_to_window(x, window)
+        Hp, Wp = x.shape[1:3]
+        if any(shift):
+            x = torch.roll(x, shifts=(-shift[0], -shift[1]), dims=(1, 2))
+        mask = window_attention_mask(H, W, window, shift, x.device)
+        x = window_reverse(self.attn(window_partition(x, window), window, mask), window, Hp, Wp)
+        if any(shift):
+            x = torch.roll(x, shifts=shift, dims=(1, 2))
+        return x[:, :H, :W] if (Hp, Wp) != (H, W) else x
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.post_norm:
+            x = x + self.drop_path1(self.norm1(self._window_attention(x)))
+            x = x + self.drop_path2(self.norm2(self.mlp(x)))
+        else:
+            x = x + self.drop_path1(self._window_attention(self.norm1(x)))
+            x = x + self.drop_path2(self.mlp(self.norm2(x)))
+        if self.norm3 is not None:
+            x = self.norm3(x)
+        return x
+
+
+class PatchMerging(nn.Module):
+    """2x2 neighbourhood concat to ``4C`` then a linear reduction to ``out_dim``.
+
+    V1 norms the ``4C`` vector before the reduction; V2 (``post_norm``) norms after it.
+    Odd maps are zero-padded at the bottom/right first.
+    """
+
+    def __init__(self, dim: int, out_dim: int, post_norm: bool = False) -> None:
+        super().__init__()
+        self.post_norm = post_norm
+        self.reduction = nn.Linear(4 * dim, out_dim, bias=False)
+        self.norm = nn.LayerNorm(out_dim if post_norm else 4 * dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, H, W, C = x.shape
+        if H % 2 or W % 2:
+            x = F.pad(x, (0, 0, 0, W % 2, 0, H % 2))
+            H, W = H + H % 2, W + W % 2
+        # order of the four neighbours: (0,0), (1,0), (0,1), (1,1) -- the original Swin order
+        x = x.reshape(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 4, 2, 5).flatten(3)
+        return self.norm(self.reduction(x)) if self.post_norm else self.reduction(self.norm(x))
+
+
+class PatchEmbed(nn.Module):
+    """Non-overlapping ``patch x patch`` conv embedding (input zero-padded to a multiple)."""
+
+    def __init__(self, in_chans: int, dim: int, patch_size: int) -> None:
+        super().__init__()
+        self.patch_size = patch_size
+        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        p = self.patch_size
+        if x.shape[2] % p or x.shape[3] % p:
+            x = F.pad(x, (0, -x.shape[3] % p, 0, -x.shape[2] % p))
+        return self.norm(self.proj(x).permute(0, 2, 3, 1))
+
+
+class SwinStage(nn.Module):
+    """Optional patch merging followed by ``depth`` alternating W-MSA / SW-MSA blocks."""
+
+    def __init__(
+        self, dim: int, out_dim: int, depth: int, *, downsample: bool, post_norm: bool, extra_norm_every: int, grad_checkpointing: bool, **block_kwargs: Any
+    ) -> None:
+        super().__init__()
+        self.grad_checkpointing = grad_checkpointing
+        self.downsample = PatchMerging(dim, out_dim, post_norm) if downsample else nn.Identity()
+        drop_path = block_kwargs.pop("drop_path")
+        self.blocks = nn.Sequential(
+            *[
+                SwinBlock(
+                    out_dim,
+                    shifted=bool(i % 2),
+                    post_norm=post_norm,
+                    drop_path=drop_path[i],
+                    extra_norm=bool(extra_norm_every) and (i + 1) % extra_norm_every == 0,
+                    **block_kwargs,
+                )
+                for i in range(depth)
+            ]
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.downsample(x)
+        for block in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        return x
+
+
+class SwinTransformer(Backbone):
+    """Swin Transformer (V1, or V2 with ``version=2``) emitting a stride 4/8/16/32 pyramid.
+
+    Args:
+        embed_dim: channels of stage 1 (doubled at each later stage).
+        depths: blocks per stage.
+        num_heads: attention heads per stage.
+        window_size: attention window, int or ``(h, w)``.
+        version: 1 or 2.
+        pretrained_window_size: V2 only: window of the checkpoint being fine-tuned (0 = same).
+        mlp_ratio: MLP hidden width over channels.
+        qkv_bias: learn q/k/v (V2: q/v) biases.
+        drop_rate: dropout after projections.
+        attn_drop_rate: dropout on attention weights.
+        drop_path_rate: stochastic depth, linearly increasing to this value over all blocks.
+        patch_size: patch embedding stride.
+        in_chans: input channels.
+        out_indices: stages (0-based) whose outputs are returned.
+        out_norm: LayerNorm on each emitted feature map.
+        grad_checkpointing: recompute blocks in backward to save memory.
+        extra_norm_every: V2 large-model option: an extra LayerNorm on the main branch every N
+            blocks (0 = off).
+    """
+
+    def __init__(
+        self,
+        *,
+        embed_dim: int = 96,
+        depths: Sequence[int] = (2, 2, 6, 2),
+        num_heads: Sequence[int] = (3, 6, 12, 24),
+        window_size: int | Sequence[int] = 7,
+        version: int = 1,
+        pretrained_window_size: int | Sequence[int] = 0,
+        mlp_ratio: float = 4.0,
+        qkv_bias: bool = True,
+        drop_rate: float = 0.0,
+        attn_drop_rate: float = 0.0,
+        drop_path_rate: float = 0.1,
+        patch_size: int = 4,
+        in_chans: int = 3,
+        out_indices: Sequence[int] = (0, 1, 2, 3),
+        out_norm: bool = True,
+        grad_checkpointing: bool = False,
+        extra_norm_every: int = 0,
+    ) -> None:
+        super().__init__()
+        if version not in (1, 2):
+            raise ValueError(f"version must be 1 or 2, got {version!r}")
+        depths, num_heads = tuple(depths), tuple(num_heads)
+        if len(depths) != len(num_heads):
+            raise ValueError(f"depths {depths} and num_heads {num_heads} must have the same length")
+        out_indices = tuple(out_indices)
+        if not out_indices or any(not 0 <= i < len(depths) for i in out_indices) or list(out_indices) != sorted(set(out_indices)):
+            raise ValueError(f"out_indices must be increasing stage indices in [0, {len(depths) - 1}], got {out_indices}")
+        if not 0.0 <= drop_path_rate < 1.0:
+            raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
+        window = to_2tuple(window_size, "window_size")
+        pretrained_window = (0, 0) if not pretrained_window_size else to_2tuple(pretrained_window_size, "pretrained_window_size")
+        if version == 1 and pretrained_window != (0, 0):
+            raise ValueError("pretrained_window_size only applies to Swin V2 (version=2)")
+        self.version = version
+        self.in_chans = in_chans
+        self.window_size = window
+        self.out_indices = out_indices
+        post_norm = version == 2
+        num_stages = out_indices[-1] + 1
+        dims = [embed_dim * 2**i for i in range(len(depths))]
+
+        self.patch_embed = PatchEmbed(in_chans, embed_dim, patch_size)
+        rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        self.layers = nn.Sequential()
+        for i in range(num_stages):
+            self.layers.append(
+                SwinStage(
+                    dims[max(i - 1, 0)],
+                    dims[i],
+                    depths[i],
+                    downsample=i > 0,
+                    post_norm=post_norm,
+                    extra_norm_every=extra_norm_every,
+                    grad_checkpointing=grad_checkpointing,
+                    num_heads=num_heads[i],
+                    window_size=window,
+                    pretrained_window_size=pretrained_window,
+                    mlp_ratio=mlp_ratio,
+                    qkv_bias=qkv_bias,
+                    drop=drop_rate,
+                    attn_drop=attn_drop_rate,
+                    drop_path=rates[sum(depths[:i]) : sum(depths[: i + 1])],
+                )
+            )
+        self.out_names = [f"stage{i + 1}" for i in out_indices]
+        self.out_channels = [dims[i] for i in out_indices]
+        self.out_strides = [patch_size * 2**i for i in out_indices]
+        self.size_divisibility = patch_size * 2 ** (len(depths) - 1)
+        self.out_norms = (
+            nn.ModuleDict({n: nn.LayerNorm(c) for n, c in zip(self.out_names, self.out_channels)}) if out_norm else None
+        )
+        self.apply(self._init_weights)
+        if version == 2:
+            self._init_v2()
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def _init_v2(self) -> None:
+        for m in self.modules():
+            if isinstance(m, WindowAttention) and m.cosine:
+                nn.init.constant_(m.logit_scale, math.log(10.0))
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block during backward instead of storing its activations."""
+        for stage in self.layers:
+            stage.grad_checkpointing = enable
+
+    def no_weight_decay(self) -> set[str]:
+        """Parameter-name fragments that should get no weight decay."""
+        return {"relative_position_bias_table", "cpb_mlp", "logit_scale"}
+
+    def forward(self, x: Tensor) -> "OrderedDict[str, Tensor]":
+        """``(B, C, H, W)`` of any ``H, W`` -> ordered ``{"stageK": (B, C_k, ceil(H/s_k), ceil(W/s_k))}``."""
+        self.check_input(x)
+        x = self.patch_embed(x)
+        out: OrderedDict[str, Tensor] = OrderedDict()
+        names = dict(zip(self.out_indices, self.out_names))
+        for i, stage in enumerate(self.layers):
+            x = stage(x)
+            if i in names:
+                y = self.out_norms[names[i]](x) if self.out_norms is not None else x
+                out[names[i]] = y.permute(0, 3, 1, 2).contiguous()
+        return out
+
+
+# name -> (embed_dim, depths, num_heads); the papers' configs.
+_SIZES = {
+    "tiny": (96, (2, 2, 6, 2), (3, 6, 12, 24)),
+    "small": (96, (2, 2, 18, 2), (3, 6, 12, 24)),
+    "base": (128, (2, 2, 18, 2), (4, 8, 16, 32)),
+    "large": (192, (2, 2, 18, 2), (6, 12, 24, 48)),
+}
+
+
+def _register(name: str, version: int, size: str) -> None:
+    embed_dim, depths, num_heads = _SIZES[size]
+    defaults = dict(embed_dim=embed_dim, depths=depths, num_heads=num_heads, window_size=7 if version == 1 else 8, version=version)
+
+    def build(**overrides: Any) -> SwinTransformer:
+        import inspect
+
+        allowed = set(inspect.signature(SwinTransformer.__init__).parameters) - {"self", "version"}
+        unknown = sorted(set(overrides) - allowed)
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for backbone {name!r}; valid options: {', '.join(sorted(allowed))}")
+        return SwinTransformer(**{**defaults, **overrides})
+
+    build.__doc__ = f"Swin{' V2' if version == 2 else ''} {size}: embed {embed_dim}, depths {depths}, heads {num_heads}."
+    register_backbone(name)(build)
+
+
+for _size in _SIZES:
+    _register(f"swin_{_size}", 1, _size)
+    _register(f"swinv2_{_size}", 2, _size)

@@ -1,0 +1,129 @@
+"""LightningCLI wiring shared by the recipes in ``recipes/``.
+
+A recipe is one call::
+
+    run_recipe(DetectionTask, COCODataModule, default_config="recipes/configs/coco_swin_demo.yaml")
+
+which builds a :class:`lightning.pytorch.cli.LightningCLI` with ``run=False`` (so ``--help``,
+``--print_config``, ``--config file.yaml`` and ``class_path``/``init_args`` all work), fits,
+validates the best checkpoint (by the task's monitored metric), prints a table of the final
+metrics, writes them to ``metrics.json`` in the run directory and returns them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningCLI
+
+__all__ = ["VtdenseCLI", "run_dir", "format_metrics_table", "run_recipe"]
+
+
+class VtdenseCLI(LightningCLI):
+    """LightningCLI with the defaults vtdense recipes share.
+
+    The task owns its optimiser and schedule (``configure_optimizers``), so the CLI's automatic
+    ``--optimizer`` / ``--lr_scheduler`` groups are turned off; the config written to the run
+    directory may be overwritten by a re-run in the same directory.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("auto_configure_optimizers", False)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(*args, **kwargs)
+
+
+def run_dir(trainer: Trainer) -> Path:
+    """The run directory: the logger's ``log_dir`` if there is one, else ``default_root_dir``."""
+    log_dir = trainer.log_dir if trainer.loggers else None
+    return Path(log_dir if log_dir is not None else trainer.default_root_dir)
+
+
+def _to_float(value: Any) -> float | None:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return None
+        value = value.item()
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
+
+
+def format_metrics_table(metrics: dict[str, float], title: str = "final metrics") -> str:
+    """Format ``{name: value}`` as a two-column text table."""
+    if not metrics:
+        return f"{title}: (no metrics)"
+    width = max(len(k) for k in metrics)
+    width = max(width, len("metric"))
+    rule = "-" * (width + 14)
+    lines = [title, rule, f"{'metric':<{width}}  {'value':>10}", rule]
+    for key, value in metrics.items():
+        text = "nan" if math.isnan(value) else f"{value:10.4f}"
+        lines.append(f"{key:<{width}}  {text:>10}")
+    lines.append(rule)
+    return "\n".join(lines)
+
+
+def run_recipe(
+    task_cls: type[LightningModule],
+    datamodule_cls: type[LightningDataModule],
+    default_config: str | Path | None = None,
+    args: list[str] | None = None,
+) -> dict[str, float]:
+    """Parse the command line, fit, validate the best checkpoint and report its metrics.
+
+    Args:
+        task_cls: the LightningModule class (its ``__init__`` arguments become ``--model.*``).
+        datamodule_cls: the LightningDataModule class (``--data.*``).
+        default_config: YAML file loaded before the command line (the recipe's defaults);
+            ``--config other.yaml`` and individual flags override it.
+        args: command-line arguments; ``None`` reads ``sys.argv``.
+
+    Returns:
+        The final validation metrics of the best checkpoint (last weights when no checkpoint
+        was saved, e.g. with ``--trainer.fast_dev_run``), ``{name: float}``.
+
+    Raises:
+        FileNotFoundError: ``default_config`` does not exist.
+    """
+    parser_kwargs: dict[str, Any] = {}
+    if default_config is not None:
+        default_config = Path(default_config)
+        if not default_config.is_file():
+            raise FileNotFoundError(f"default_config {str(default_config)!r} does not exist")
+        parser_kwargs["default_config_files"] = [str(default_config)]
+    cli = VtdenseCLI(task_cls, datamodule_cls, run=False, args=args, parser_kwargs=parser_kwargs)
+    trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
+
+    trainer.fit(model, datamodule=datamodule)
+
+    ckpt_path: str | None = None
+    callback = trainer.checkpoint_callback
+    if isinstance(callback, ModelCheckpoint):
+        best = callback.best_model_path or callback.last_model_path
+        if best and os.path.isfile(best):
+            ckpt_path = best
+    results = trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
+
+    metrics: dict[str, float] = {}
+    for result in results:
+        for key, value in result.items():
+            number = _to_float(value)
+            if number is not None:
+                metrics[key] = number
+
+    if trainer.is_global_zero:
+        out_dir = run_dir(trainer)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        payload = {"checkpoint": ckpt_path, "metrics": metrics}
+        (out_dir / "metrics.json").write_text(json.dumps(payload, indent=2) + "\n")
+        print(format_metrics_table(metrics, title=f"final metrics ({ckpt_path or 'last weights'})"))
+        print(f"run directory: {out_dir}")
+    return metrics

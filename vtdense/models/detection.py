@@ -1,0 +1,410 @@
+"""Detectors from vtdense backbones: backbone -> torchvision FPN -> torchvision head.
+
+Any :class:`~vtdense.backbones.base.Backbone` feeds a torchvision
+:class:`~torchvision.ops.FeaturePyramidNetwork` (P2-P5 for the R-CNNs plus a max-pooled P6;
+P3-P5 plus P6/P7 for RetinaNet and FCOS) and one of torchvision's detectors: Mask R-CNN,
+Faster R-CNN, RetinaNet or FCOS. Everything is built from the backbone's declared
+``out_channels`` / ``out_strides``; no dummy image is run.
+
+Images reaching the model are already resized by the data pipeline, so the detector's
+:class:`~torchvision.models.detection.transform.GeneralizedRCNNTransform` is replaced by
+:class:`NoResizeTransform`, which normalises and pads to the backbone's ``size_divisibility``
+but never resizes. Head outputs are cast to fp32 so box decoding, NMS and RoIAlign stay in fp32
+under mixed precision.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torchvision.models.detection import FCOS, FasterRCNN, MaskRCNN, RetinaNet
+from torchvision.models.detection.anchor_utils import AnchorGenerator
+from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+from torchvision.models.detection.transform import GeneralizedRCNNTransform
+from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign
+from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool, LastLevelP6P7
+
+from vtdense.backbones.base import Backbone
+
+__all__ = [
+    "HEADS",
+    "IMAGENET_MEAN",
+    "IMAGENET_STD",
+    "NoResizeTransform",
+    "BackboneWithFPN",
+    "build_detector",
+    "list_heads",
+]
+
+IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
+IMAGENET_STD: tuple[float, float, float] = (0.229, 0.224, 0.225)
+
+#: Head options used by ``slim_heads=True`` (the CPU demo), for options left at ``None``.
+SLIM_DEFAULTS: dict[str, int] = {"mask_head_channels": 64, "box_head_width": 256, "rois_per_image": 64}
+#: Published torchvision (and Swin / mmdet) head sizes.
+FULL_DEFAULTS: dict[str, int] = {"mask_head_channels": 256, "box_head_width": 1024, "rois_per_image": 512}
+
+
+class NoResizeTransform(GeneralizedRCNNTransform):
+    """``GeneralizedRCNNTransform`` that normalises and pads but never resizes.
+
+    The data pipeline resizes images (and their targets); resizing again inside the model would
+    change the scale the head sees. ``postprocess`` is then an identity rescale, so detections
+    come back in the coordinates of the images given to the model.
+    """
+
+    def __init__(
+        self,
+        image_mean: Sequence[float] = IMAGENET_MEAN,
+        image_std: Sequence[float] = IMAGENET_STD,
+        size_divisible: int = 32,
+    ) -> None:
+        # min_size / max_size are unused because resize is the identity.
+        super().__init__(
+            min_size=1, max_size=1, image_mean=list(image_mean), image_std=list(image_std), size_divisible=size_divisible
+        )
+
+    def resize(
+        self, image: Tensor, target: dict[str, Tensor] | None = None
+    ) -> tuple[Tensor, dict[str, Tensor] | None]:
+        """Identity: images arrive already resized."""
+        return image, target
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(normalize(mean={self.image_mean}, std={self.image_std}), "
+            f"size_divisible={self.size_divisible}, no resize)"
+        )
+
+
+class BackboneWithFPN(nn.Module):
+    """A vtdense backbone followed by a torchvision FPN.
+
+    Output keys are ``p{log2(stride)}`` (``p2`` ... ``p5``) plus the extra block's levels
+    (``pool`` for :class:`LastLevelMaxPool`, ``p6``/``p7`` for :class:`LastLevelP6P7`).
+
+    Attributes:
+        body: the backbone.
+        fpn: the feature pyramid.
+        out_channels: channels of every pyramid level (what torchvision heads read).
+        in_names: backbone outputs fed to the FPN.
+        level_names: pyramid level names in order, extra levels included.
+        level_strides: stride of each pyramid level.
+    """
+
+    def __init__(
+        self,
+        backbone: Backbone,
+        out_channels: int = 256,
+        *,
+        min_stride: int = 4,
+        extra: str | None = "maxpool",
+        p6p7_from: str = "p5",
+    ) -> None:
+        """Build the FPN from ``backbone.out_channels`` / ``out_strides``.
+
+        Args:
+            backbone: a vtdense backbone.
+            out_channels: FPN channels.
+            min_stride: backbone outputs with a smaller stride are not used (8 for RetinaNet/FCOS).
+            extra: ``"maxpool"`` (P6 by max-pooling P5), ``"p6p7"`` (two stride-2 convs) or ``None``.
+            p6p7_from: ``"p5"`` or ``"c5"``: the input of P6 when ``extra="p6p7"``.
+
+        Raises:
+            ValueError: the backbone lacks the contract attributes, has non power-of-two strides,
+                or an option is not one of its choices.
+        """
+        super().__init__()
+        for attr in ("out_names", "out_channels", "out_strides"):
+            if not hasattr(backbone, attr):
+                raise ValueError(f"backbone {type(backbone).__name__} has no {attr!r}; it must follow vtdense's Backbone contract")
+        names, channels, strides = list(backbone.out_names), list(backbone.out_channels), list(backbone.out_strides)
+        if not (len(names) == len(channels) == len(strides)) or not names:
+            raise ValueError(
+                f"backbone {type(backbone).__name__} declares {len(names)} out_names, {len(channels)} out_channels "
+                f"and {len(strides)} out_strides; they must be non-empty and the same length"
+            )
+        keep = [i for i, s in enumerate(strides) if s >= min_stride]
+        if not keep:
+            raise ValueError(f"backbone out_strides {strides} has no level with stride >= {min_stride}")
+        for s in strides:
+            if s <= 0 or s & (s - 1):
+                raise ValueError(f"backbone out_strides must be powers of two, got {strides}")
+        if any(b <= a for a, b in zip(strides, strides[1:])):
+            raise ValueError(f"backbone out_strides must be increasing, got {strides}")
+
+        self.body = backbone
+        self.in_names = [names[i] for i in keep]
+        in_channels = [channels[i] for i in keep]
+        in_strides = [strides[i] for i in keep]
+        self._rename = {n: f"p{int(math.log2(s))}" for n, s in zip(self.in_names, in_strides)}
+
+        extra_block: ExtraFPNBlock | None
+        extra_names: list[str]
+        if extra == "maxpool":
+            extra_block, extra_names, extra_strides = LastLevelMaxPool(), ["pool"], [in_strides[-1] * 2]
+        elif extra == "p6p7":
+            if p6p7_from not in ("p5", "c5"):
+                raise ValueError(f"unknown p6p7_from {p6p7_from!r}; choose 'p5' or 'c5'")
+            src_channels = out_channels if p6p7_from == "p5" else in_channels[-1]
+            extra_block = LastLevelP6P7(src_channels, out_channels)
+            # torchvision picks the source from the channel counts; make the choice explicit.
+            extra_block.use_P5 = p6p7_from == "p5"
+            last = int(math.log2(in_strides[-1]))
+            extra_names = [f"p{last + 1}", f"p{last + 2}"]
+            extra_strides = [in_strides[-1] * 2, in_strides[-1] * 4]
+        elif extra is None:
+            extra_block, extra_names, extra_strides = None, [], []
+        else:
+            raise ValueError(f"unknown FPN extra block {extra!r}; choose 'maxpool', 'p6p7' or None")
+
+        self.fpn = FeaturePyramidNetwork(in_channels, out_channels, extra_blocks=extra_block)
+        self.out_channels = out_channels
+        self.level_names = [self._rename[n] for n in self.in_names] + extra_names
+        self.level_strides = in_strides + extra_strides
+        self.size_divisibility = int(getattr(backbone, "size_divisibility", 32))
+
+    @property
+    def fpn_level_names(self) -> list[str]:
+        """Pyramid levels that come from backbone features (no extra block levels)."""
+        return [self._rename[n] for n in self.in_names]
+
+    def forward(self, x: Tensor) -> "OrderedDict[str, Tensor]":
+        """Backbone features -> pyramid ``{level name: NCHW}``, stride order."""
+        feats = self.body(x)
+        missing = [n for n in self.in_names if n not in feats]
+        if missing:
+            raise KeyError(f"backbone output lacks {missing}; it returned {list(feats)}")
+        inputs = OrderedDict((self._rename[n], feats[n]) for n in self.in_names)
+        return self.fpn(inputs)
+
+
+def _cast_float(obj: Any) -> Any:
+    if isinstance(obj, Tensor):
+        return obj.float() if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_float(o) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_float(v) for k, v in obj.items()}
+    return obj
+
+
+def _fp32_outputs_hook(module: nn.Module, args: Any, output: Any) -> Any:
+    return _cast_float(output)
+
+
+def _keep_fp32(*modules: nn.Module | None) -> None:
+    """Cast these modules' outputs to fp32 so box decoding / losses never run in bf16/fp16."""
+    for m in modules:
+        if m is not None:
+            m.register_forward_hook(_fp32_outputs_hook)
+
+
+def _anchor_sizes(
+    strides: Sequence[int], anchor_sizes: Sequence[float] | None, factor: float
+) -> list[float]:
+    if anchor_sizes is None:
+        return [factor * s for s in strides]
+    if len(anchor_sizes) != len(strides):
+        raise ValueError(
+            f"anchor_sizes has {len(anchor_sizes)} entries but the pyramid has {len(strides)} levels "
+            f"(strides {list(strides)}); give one base size per level"
+        )
+    return [float(a) for a in anchor_sizes]
+
+
+def _pick(value: int | None, key: str, slim: bool) -> int:
+    if value is not None:
+        return int(value)
+    return (SLIM_DEFAULTS if slim else FULL_DEFAULTS)[key]
+
+
+def _rcnn(
+    neck: BackboneWithFPN, num_classes: int, masks: bool, opts: dict[str, Any], head_kwargs: dict[str, Any]
+) -> nn.Module:
+    sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 8.0)
+    anchor_gen = AnchorGenerator(
+        sizes=tuple((s,) for s in sizes), aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes)
+    )
+    roi_names = neck.fpn_level_names
+    box_pool = MultiScaleRoIAlign(featmap_names=roi_names, output_size=7, sampling_ratio=2)
+    width = _pick(opts["box_head_width"], "box_head_width", opts["slim"])
+    c = neck.out_channels
+    kwargs: dict[str, Any] = dict(
+        rpn_anchor_generator=anchor_gen,
+        box_roi_pool=box_pool,
+        box_head=TwoMLPHead(c * 7 * 7, width),
+        box_predictor=FastRCNNPredictor(width, num_classes + 1),
+        box_batch_size_per_image=_pick(opts["rois_per_image"], "rois_per_image", opts["slim"]),
+        box_detections_per_img=opts["detections_per_img"],
+        box_score_thresh=opts["score_thresh"],
+    )
+    if masks:
+        mc = _pick(opts["mask_head_channels"], "mask_head_channels", opts["slim"])
+        kwargs["mask_roi_pool"] = MultiScaleRoIAlign(featmap_names=roi_names, output_size=14, sampling_ratio=2)
+        kwargs["mask_head"] = MaskRCNNHeads(c, [mc] * opts["mask_head_layers"], 1)
+        kwargs["mask_predictor"] = MaskRCNNPredictor(mc, mc, num_classes + 1)
+    kwargs.update(head_kwargs)
+    cls = MaskRCNN if masks else FasterRCNN
+    # min/max size are placeholders: the transform is replaced below.
+    model = cls(neck, num_classes=None, min_size=1, max_size=1, **kwargs)
+    _keep_fp32(model.rpn.head, model.roi_heads.box_predictor, getattr(model.roi_heads, "mask_predictor", None))
+    return model
+
+
+def _retinanet(
+    neck: BackboneWithFPN, num_classes: int, opts: dict[str, Any], head_kwargs: dict[str, Any]
+) -> nn.Module:
+    sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 4.0)
+    anchor_gen = AnchorGenerator(
+        sizes=tuple((s, s * 2 ** (1 / 3), s * 2 ** (2 / 3)) for s in sizes),
+        aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes),
+    )
+    kwargs: dict[str, Any] = dict(
+        anchor_generator=anchor_gen,
+        detections_per_img=opts["detections_per_img"],
+        score_thresh=opts["score_thresh"],
+    )
+    kwargs.update(head_kwargs)
+    model = RetinaNet(neck, num_classes + 1, min_size=1, max_size=1, **kwargs)
+    _keep_fp32(model.head)
+    return model
+
+
+def _fcos(neck: BackboneWithFPN, num_classes: int, opts: dict[str, Any], head_kwargs: dict[str, Any]) -> nn.Module:
+    # FCOS derives its per-level regression ranges from the anchor size, which must be the stride.
+    sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 1.0)
+    anchor_gen = AnchorGenerator(sizes=tuple((s,) for s in sizes), aspect_ratios=((1.0,),) * len(sizes))
+    kwargs: dict[str, Any] = dict(
+        anchor_generator=anchor_gen,
+        detections_per_img=opts["detections_per_img"],
+        score_thresh=opts["score_thresh"],
+    )
+    kwargs.update(head_kwargs)
+    model = FCOS(neck, num_classes + 1, min_size=1, max_size=1, **kwargs)
+    _keep_fp32(model.head)
+    return model
+
+
+#: head name -> (FPN extra block, smallest backbone stride used, builder)
+HEADS: dict[str, tuple[str, int, Callable[..., nn.Module]]] = {
+    "mask_rcnn": ("maxpool", 4, lambda n, k, o, h: _rcnn(n, k, True, o, h)),
+    "faster_rcnn": ("maxpool", 4, lambda n, k, o, h: _rcnn(n, k, False, o, h)),
+    "retinanet": ("p6p7", 8, _retinanet),
+    "fcos": ("p6p7", 8, _fcos),
+}
+
+#: default P6/P7 source per head: mmdet's Swin RetinaNet builds P6 from C5, torchvision's FCOS from P5.
+_P6P7_FROM: dict[str, str] = {"retinanet": "c5", "fcos": "p5"}
+
+
+def list_heads() -> list[str]:
+    """Head names accepted by :func:`build_detector`."""
+    return sorted(HEADS)
+
+
+def build_detector(
+    backbone: Backbone | str,
+    head: str = "mask_rcnn",
+    num_classes: int = 80,
+    *,
+    fpn_channels: int = 256,
+    backbone_kwargs: dict[str, Any] | None = None,
+    slim_heads: bool = False,
+    mask_head_channels: int | None = None,
+    mask_head_layers: int = 4,
+    box_head_width: int | None = None,
+    rois_per_image: int | None = None,
+    anchor_sizes: Sequence[float] | None = None,
+    aspect_ratios: Sequence[float] = (0.5, 1.0, 2.0),
+    p6p7_from: str | None = None,
+    detections_per_img: int = 100,
+    score_thresh: float = 0.05,
+    image_mean: Sequence[float] = IMAGENET_MEAN,
+    image_std: Sequence[float] = IMAGENET_STD,
+    head_kwargs: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Build a torchvision detector on a vtdense backbone with an FPN.
+
+    Args:
+        backbone: a :class:`Backbone` or a registered backbone name (see ``vtdense.list_backbones``).
+        head: one of :func:`list_heads`: ``mask_rcnn``, ``faster_rcnn``, ``retinanet``, ``fcos``.
+        num_classes: number of object classes, background excluded; labels are ``1..num_classes``
+            and torchvision heads get ``num_classes + 1`` outputs.
+        fpn_channels: FPN channels.
+        backbone_kwargs: overrides for ``create_backbone`` when ``backbone`` is a name.
+        slim_heads: use small R-CNN heads (64-channel mask head, 256-wide box head, 64 RoIs per
+            image) for options left at ``None``; the published sizes are 256 / 1024 / 512.
+        mask_head_channels: Mask R-CNN mask head conv channels.
+        mask_head_layers: number of mask head convs (4 published).
+        box_head_width: width of the R-CNN two-FC box head.
+        rois_per_image: RoIs sampled per image to train the R-CNN box/mask heads.
+        anchor_sizes: base anchor size per pyramid level (extra levels included). Defaults:
+            ``8 * stride`` (R-CNN RPN), ``4 * stride`` with 3 octave scales (RetinaNet),
+            ``stride`` (FCOS, where it sets the regression ranges).
+        aspect_ratios: anchor aspect ratios (R-CNN RPN and RetinaNet).
+        p6p7_from: ``"p5"`` or ``"c5"``: P6 input for RetinaNet / FCOS (defaults ``c5`` / ``p5``).
+        detections_per_img: detections kept per image.
+        score_thresh: minimum detection score.
+        image_mean: normalisation mean (images arrive in 0..1).
+        image_std: normalisation std.
+        head_kwargs: extra keyword arguments for the torchvision detector class
+            (e.g. ``rpn_post_nms_top_n_test``, ``nms_thresh``).
+
+    Returns:
+        The torchvision detector; ``model.backbone`` is a :class:`BackboneWithFPN` and
+        ``model.transform`` a :class:`NoResizeTransform`.
+
+    Raises:
+        ValueError: unknown head (the message lists the choices), bad option or backbone.
+    """
+    if head not in HEADS:
+        raise ValueError(f"unknown detection head {head!r}; choose one of {', '.join(list_heads())}")
+    if not isinstance(num_classes, int) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive int (background excluded), got {num_classes!r}")
+    if isinstance(backbone, str):
+        from vtdense.backbones.registry import create_backbone
+
+        _import_backbones()
+        backbone = create_backbone(backbone, **(backbone_kwargs or {}))
+    elif backbone_kwargs:
+        raise ValueError("backbone_kwargs only apply when backbone is given by name")
+    if not isinstance(backbone, nn.Module):
+        raise ValueError(f"backbone must be a vtdense Backbone or a backbone name, got {type(backbone).__name__}")
+    if mask_head_layers < 1:
+        raise ValueError(f"mask_head_layers must be >= 1, got {mask_head_layers}")
+
+    extra, min_stride, builder = HEADS[head]
+    source = p6p7_from if p6p7_from is not None else _P6P7_FROM.get(head, "p5")
+    neck = BackboneWithFPN(backbone, fpn_channels, min_stride=min_stride, extra=extra, p6p7_from=source)
+    opts = dict(
+        slim=slim_heads,
+        mask_head_channels=mask_head_channels,
+        mask_head_layers=mask_head_layers,
+        box_head_width=box_head_width,
+        rois_per_image=rois_per_image,
+        anchor_sizes=anchor_sizes,
+        aspect_ratios=aspect_ratios,
+        detections_per_img=detections_per_img,
+        score_thresh=score_thresh,
+    )
+    model = builder(neck, num_classes, opts, dict(head_kwargs or {}))
+    model.transform = NoResizeTransform(image_mean, image_std, size_divisible=neck.size_divisibility)
+    return model
+
+
+def _import_backbones() -> None:
+    """Import the backbone modules so their ``@register_backbone`` entries exist."""
+    import importlib
+
+    for mod in ("vtdense.backbones.swin", "vtdense.backbones.mvitv2"):
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as err:  # a family not written yet
+            if err.name != mod:
+                raise

@@ -1,0 +1,306 @@
+"""vtdense backbones as segmentation-models-pytorch (SMP) encoders.
+
+Every name in :func:`vtdense.list_backbones` is registered in SMP's own encoder table
+(``segmentation_models_pytorch.encoders.encoders``) as ``vtdense-<name>``, so that
+
+.. code-block:: python
+
+    import segmentation_models_pytorch as smp
+    import vtdense.models.segmentation  # noqa: F401  (``import vtdense`` does it too)
+
+    model = smp.UPerNet(encoder_name="vtdense-swinv2_tiny", encoder_weights=None, classes=150)
+
+works like any other SMP model. The encoder follows SMP's convention for transformer
+encoders (as ``TimmUniversalEncoder`` does for timm's Swin): ``forward`` returns the input,
+a zero-channel placeholder at stride 2, then one map per backbone stage at strides 4/8/16/32,
+and ``out_channels`` includes the input channels and the ``0`` placeholder.
+
+SMP's ``get_encoder`` passes only ``depth`` and ``output_stride`` to non-timm encoders, so
+backbone options (window size, drop path, ...) and local weights reach the encoder through
+:func:`encoder_options` (a context manager) or :func:`build_segmentor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import segmentation_models_pytorch as smp
+import torch
+from segmentation_models_pytorch.encoders import encoders as _SMP_ENCODERS
+from segmentation_models_pytorch.encoders._base import EncoderMixin
+from torch import Tensor, nn
+
+from vtdense.backbones.registry import create_backbone, list_backbones
+
+__all__ = [
+    "ENCODER_PREFIX",
+    "ARCHITECTURES",
+    "VtdenseEncoder",
+    "FCNHead",
+    "encoder_options",
+    "register_smp_encoders",
+    "build_segmentor",
+]
+
+#: Prefix of the SMP encoder names of vtdense backbones.
+ENCODER_PREFIX = "vtdense-"
+
+#: Segmentation architectures accepted by :func:`build_segmentor` (lower-case name -> SMP class).
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "upernet": smp.UPerNet,
+    "fpn": smp.FPN,
+    "unet": smp.Unet,
+    "segformer": smp.Segformer,
+    "linknet": smp.Linknet,
+}
+
+_EXPECTED_STRIDES = [4, 8, 16, 32]
+
+_PENDING_OPTIONS: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
+    "vtdense_encoder_options", default={}
+)
+
+
+@contextlib.contextmanager
+def encoder_options(**options: Any) -> Iterator[None]:
+    """Pass backbone options to every ``vtdense-*`` SMP encoder built inside the block.
+
+    SMP's ``get_encoder`` drops keyword arguments for registered (non-``tu-``) encoders, so
+    this is how ``window_size``, ``drop_path_rate`` and the like reach a vtdense encoder that
+    an SMP model builds. ``weights`` (a local checkpoint path or state dict) is loaded with
+    :func:`vtdense.load_pretrained` after the backbone is built.
+
+    Example:
+        >>> with encoder_options(window_size=8, drop_path_rate=0.3):  # doctest: +SKIP
+        ...     model = smp.UPerNet(encoder_name="vtdense-swinv2_tiny", encoder_weights=None)
+    """
+    token = _PENDING_OPTIONS.set({**_PENDING_OPTIONS.get(), **options})
+    try:
+        yield
+    finally:
+        _PENDING_OPTIONS.reset(token)
+
+
+class _LocalWeightsOnly(Mapping):
+    """``pretrained_settings`` of a vtdense encoder: no downloadable weights.
+
+    SMP checks ``encoder_weights in pretrained_settings``; answering with one clear error is
+    better than SMP's generic ``KeyError`` listing an empty set of options.
+    """
+
+    def __init__(self, encoder_name: str) -> None:
+        self.encoder_name = encoder_name
+
+    def __contains__(self, key: object) -> bool:
+        raise ValueError(
+            f"encoder {self.encoder_name!r} has no downloadable weights (encoder_weights={key!r}); "
+            "pass encoder_weights=None and give a local checkpoint with "
+            "build_segmentor(..., backbone_weights=PATH) or encoder_options(weights=PATH)"
+        )
+
+    def __getitem__(self, key: str) -> Any:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+    def __deepcopy__(self, memo: dict) -> "_LocalWeightsOnly":
+        return self
+
+
+class VtdenseEncoder(nn.Module, EncoderMixin):
+    """A vtdense backbone behind SMP's encoder interface.
+
+    Args:
+        backbone_name: a name from :func:`vtdense.list_backbones` (without the ``vtdense-`` prefix).
+        depth: SMP encoder depth (1-5); depth ``d`` returns the input, the stride-2 placeholder and
+            the first ``d - 1`` backbone stages.
+        output_stride: must be 32 (window / pooling transformers cannot be dilated).
+        weights: optional local checkpoint (path or state dict) loaded with ``vtdense.load_pretrained``.
+        **backbone_kwargs: overrides for :func:`vtdense.create_backbone`. Options set with
+            :func:`encoder_options` apply first; these take precedence.
+
+    Raises:
+        ValueError: bad depth / output stride, or a backbone whose strides are not 4/8/16/32.
+    """
+
+    def __init__(
+        self,
+        backbone_name: str,
+        depth: int = 5,
+        output_stride: int = 32,
+        weights: str | Path | Mapping[str, Tensor] | None = None,
+        **backbone_kwargs: Any,
+    ) -> None:
+        nn.Module.__init__(self)
+        EncoderMixin.__init__(self)
+        if not 1 <= depth <= 5:
+            raise ValueError(f"encoder '{ENCODER_PREFIX}{backbone_name}': encoder_depth must be in 1..5, got {depth}")
+        options = {**_PENDING_OPTIONS.get(), **backbone_kwargs}
+        if weights is None:
+            weights = options.pop("weights", None)
+        else:
+            options.pop("weights", None)
+        self.backbone_name = backbone_name
+        self._backbone_options = options
+        self._weights = weights
+        self._depth = depth
+        self._output_stride = output_stride
+        self.backbone = self._build_backbone(options)
+        self._in_channels = int(getattr(self.backbone, "in_chans", 3))
+        self._out_channels = [self._in_channels, 0, *[int(c) for c in self.backbone.out_channels]]
+
+    def _build_backbone(self, options: dict[str, Any]) -> nn.Module:
+        backbone = create_backbone(self.backbone_name, **options)
+        strides = [int(s) for s in backbone.out_strides]
+        if strides != _EXPECTED_STRIDES:
+            raise ValueError(
+                f"encoder '{ENCODER_PREFIX}{self.backbone_name}' needs backbone outputs at strides "
+                f"{_EXPECTED_STRIDES}, got {strides} (check out_indices in the backbone options)"
+            )
+        if self._weights is not None:
+            from vtdense import load_pretrained
+
+            load_pretrained(backbone, self._weights)
+        return backbone
+
+    @property
+    def size_divisibility(self) -> int:
+        """Padding multiple the backbone prefers."""
+        return int(getattr(self.backbone, "size_divisibility", 32))
+
+    def set_in_channels(self, in_channels: int, pretrained: bool = True) -> None:
+        """Rebuild the backbone for ``in_channels`` input channels (SMP calls this after ``__init__``)."""
+        if in_channels == self._in_channels:
+            return
+        self.backbone = self._build_backbone({**self._backbone_options, "in_chans": in_channels})
+        self._in_channels = in_channels
+        self._out_channels[0] = in_channels
+
+    def make_dilated(self, output_stride: int) -> None:
+        """Dilation is not available; raise one clear error."""
+        raise ValueError(
+            f"encoder '{ENCODER_PREFIX}{self.backbone_name}' has fixed output strides 4/8/16/32; "
+            f"encoder_output_stride={output_stride} is not supported (use 32)"
+        )
+
+    def get_stages(self) -> dict[int, list[nn.Module]]:
+        """Not used: vtdense encoders cannot be dilated."""
+        return {}
+
+    def forward(self, x: Tensor) -> list[Tensor]:
+        """Return ``[x, placeholder (B, 0, H/2, W/2), stage1, ...]`` with ``depth + 1`` entries."""
+        n_stages = self._depth - 1
+        feats: list[Tensor] = [x]
+        if self._depth >= 1:
+            feats.append(x.new_empty((x.shape[0], 0, x.shape[2] // 2, x.shape[3] // 2)))
+        if n_stages > 0:
+            maps = self.backbone(x)
+            feats.extend(list(maps.values())[:n_stages])
+        return feats
+
+
+def register_smp_encoders() -> list[str]:
+    """Register every current vtdense backbone as SMP encoder ``vtdense-<name>``.
+
+    Idempotent; call it again after registering new backbones. ``import vtdense.models.segmentation``
+    calls it once.
+
+    Returns:
+        The SMP encoder names of all vtdense backbones.
+    """
+    names = []
+    for name in list_backbones():
+        key = ENCODER_PREFIX + name
+        names.append(key)
+        if key in _SMP_ENCODERS:
+            continue
+        _SMP_ENCODERS[key] = {
+            "encoder": VtdenseEncoder,
+            "params": {"backbone_name": name},
+            "pretrained_settings": _LocalWeightsOnly(key),
+        }
+    return names
+
+
+class FCNHead(nn.Module):
+    """Auxiliary FCN head (conv3x3-BN-ReLU, dropout, conv1x1), as in mmseg's UPerNet configs.
+
+    Args:
+        in_channels: channels of the feature map it reads (backbone stage 3 by convention).
+        num_classes: output classes.
+        channels: hidden channels.
+        dropout: dropout before the classifier.
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, channels: int = 256, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.block = nn.Sequential(
+            nn.Conv2d(in_channels, channels, 3, padding=1, bias=False),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(inplace=True),
+            nn.Dropout2d(dropout),
+            nn.Conv2d(channels, num_classes, 1),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits at the resolution of ``x``."""
+        return self.block(x)
+
+
+def build_segmentor(
+    arch: str,
+    backbone: str,
+    num_classes: int,
+    *,
+    backbone_kwargs: dict[str, Any] | None = None,
+    backbone_weights: str | Path | Mapping[str, Tensor] | None = None,
+    in_channels: int = 3,
+    encoder_depth: int = 5,
+    **arch_kwargs: Any,
+) -> nn.Module:
+    """Build an SMP segmentation model on a vtdense backbone.
+
+    Args:
+        arch: one of :data:`ARCHITECTURES` (case-insensitive).
+        backbone: a vtdense backbone name (``"swinv2_tiny"``; the ``vtdense-`` prefix is optional).
+        num_classes: output classes.
+        backbone_kwargs: overrides for :func:`vtdense.create_backbone` (``window_size``, ``drop_path_rate``, ...).
+        backbone_weights: local backbone checkpoint (path or state dict) for ``vtdense.load_pretrained``.
+        in_channels: image channels.
+        encoder_depth: SMP encoder depth (UPerNet and FPN need 3..5; 5 uses all four stages).
+        **arch_kwargs: passed to the SMP model (``decoder_channels``, ...).
+
+    Raises:
+        ValueError: unknown architecture or backbone (the message lists the known ones).
+    """
+    key = arch.lower()
+    if key not in ARCHITECTURES:
+        raise ValueError(f"unknown segmentation arch {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
+    name = backbone[len(ENCODER_PREFIX):] if backbone.startswith(ENCODER_PREFIX) else backbone
+    if name not in list_backbones():
+        raise ValueError(f"unknown backbone {backbone!r}; known backbones: {', '.join(list_backbones())}")
+    register_smp_encoders()
+    options = dict(backbone_kwargs or {})
+    if backbone_weights is not None:
+        options["weights"] = backbone_weights
+    with encoder_options(**options):
+        model = ARCHITECTURES[key](
+            encoder_name=ENCODER_PREFIX + name,
+            encoder_weights=None,
+            encoder_depth=encoder_depth,
+            in_channels=in_channels,
+            classes=num_classes,
+            **arch_kwargs,
+        )
+    return model
+
+
+register_smp_encoders()
