@@ -360,7 +360,8 @@ class SwinTransformer(Backbone):
         dims = [embed_dim * 2**i for i in range(len(depths))]
 
         self.patch_embed = PatchEmbed(in_chans, embed_dim, patch_size)
-        rates = torch.linspace(0, drop_path_rate, sum(depths)).tolist()
+        n_blocks = sum(depths)
+        rates = [drop_path_rate * i / max(n_blocks - 1, 1) for i in range(n_blocks)]
         self.layers = nn.Sequential()
         for i in range(num_stages):
             self.layers.append(

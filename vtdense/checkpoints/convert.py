@@ -103,6 +103,11 @@ def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     for k, v in sd.items():
         if _DROP.search(k):
             continue
+        if k.endswith("attn.qkv.bias") and k not in own and k.replace("qkv.bias", "q_bias") in own:
+            # one q/k/v bias (torchvision V2, whose k third is zeroed at run time) -> q_bias, v_bias
+            q, _, vb = v.chunk(3)
+            out[k.replace("qkv.bias", "q_bias")], out[k.replace("qkv.bias", "v_bias")] = q, vb
+            continue
         if k.endswith("relative_position_bias_table") and k in own and own[k].shape != v.shape:
             new = model.window_size
             old_side = int(round(v.shape[0] ** 0.5))
@@ -123,7 +128,8 @@ def _from_torchvision_swin(sd: dict[str, Tensor]) -> dict[str, Tensor]:
             continue
         m = re.match(r"features\.(\d+)\.(\d+)\.(.*)", k)
         if m and int(m[1]) % 2 == 1:
-            rest = m[3].replace("mlp.0.", "mlp.fc1.").replace("mlp.3.", "mlp.fc2.")
+            rest = re.sub(r"(^|\.)mlp\.0\.", r"\1mlp.fc1.", m[3])
+            rest = re.sub(r"(^|\.)mlp\.3\.", r"\1mlp.fc2.", rest)
             out[f"layers.{int(m[1]) // 2}.blocks.{m[2]}.{rest}"] = v
             continue
         m = re.match(r"features\.(\d+)\.(.*)", k)

@@ -379,6 +379,8 @@ def build_detector(
     if mask_head_layers < 1:
         raise ValueError(f"mask_head_layers must be >= 1, got {mask_head_layers}")
 
+    if head == "fcos" and fpn_channels % 32:
+        raise ValueError(f"fpn_channels={fpn_channels}: the fcos head uses GroupNorm(32), so it must be a multiple of 32")
     extra, min_stride, builder = HEADS[head]
     source = p6p7_from if p6p7_from is not None else _P6P7_FROM.get(head, "p5")
     neck = BackboneWithFPN(backbone, fpn_channels, min_stride=min_stride, extra=extra, p6p7_from=source)

@@ -60,6 +60,10 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
 
 _EXPECTED_STRIDES = [4, 8, 16, 32]
 
+# encoder_depth range each architecture accepts with a stride-4-first (transformer) encoder:
+# FPN and the U-shaped decoders read the stride-2 level once depth < 5 and meet the empty placeholder.
+_DEPTH_RANGE: dict[str, tuple[int, int]] = {"upernet": (3, 5)}
+
 _PENDING_OPTIONS: contextvars.ContextVar[dict[str, Any]] = contextvars.ContextVar(
     "vtdense_encoder_options", default={}
 )
@@ -153,17 +157,20 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
         self._weights = weights
         self._depth = depth
         self._output_stride = output_stride
+        if 2 <= depth < 5 and "out_indices" not in options:
+            options["out_indices"] = tuple(range(depth - 1))  # do not build stages SMP will not read
         self.backbone = self._build_backbone(options)
         self._in_channels = int(getattr(self.backbone, "in_chans", 3))
-        self._out_channels = [self._in_channels, 0, *[int(c) for c in self.backbone.out_channels]]
+        self._out_channels = [self._in_channels, 0, *[int(c) for c in self.backbone.out_channels]][: depth + 1]
 
     def _build_backbone(self, options: dict[str, Any]) -> nn.Module:
         backbone = create_backbone(self.backbone_name, **options)
         strides = [int(s) for s in backbone.out_strides]
-        if strides != _EXPECTED_STRIDES:
+        needed = max(self._depth - 1, 0)
+        if strides != _EXPECTED_STRIDES[: len(strides)] or len(strides) < needed:
             raise ValueError(
-                f"encoder '{ENCODER_PREFIX}{self.backbone_name}' needs backbone outputs at strides "
-                f"{_EXPECTED_STRIDES}, got {strides} (check out_indices in the backbone options)"
+                f"encoder '{ENCODER_PREFIX}{self.backbone_name}' with encoder_depth={self._depth} needs backbone "
+                f"outputs at strides {_EXPECTED_STRIDES[:needed]}, got {strides} (check out_indices in the backbone options)"
             )
         if self._weights is not None:
             from vtdense import load_pretrained
@@ -284,6 +291,10 @@ def build_segmentor(
     key = arch.lower()
     if key not in ARCHITECTURES:
         raise ValueError(f"unknown segmentation arch {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
+    lo, hi = _DEPTH_RANGE.get(key, (5, 5))
+    if not lo <= encoder_depth <= hi:
+        allowed = str(lo) if lo == hi else f"{lo}..{hi}"
+        raise ValueError(f"arch {arch!r} on a vtdense backbone needs encoder_depth in {allowed}, got {encoder_depth}")
     name = backbone[len(ENCODER_PREFIX):] if backbone.startswith(ENCODER_PREFIX) else backbone
     if name not in list_backbones():
         raise ValueError(f"unknown backbone {backbone!r}; known backbones: {', '.join(list_backbones())}")

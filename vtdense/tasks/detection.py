@@ -1,0 +1,550 @@
+"""Object detection and instance segmentation task (LightningModule).
+
+:class:`DetectionTask` builds a detector with :func:`vtdense.models.detection.build_detector`
+(backbone name + options, head name), trains it with AdamW (no weight decay on norms, biases,
+position tables, logit scales) under a per-iteration warmup + step / cosine schedule, and
+evaluates COCO mAP with torchmetrics' :class:`~torchmetrics.detection.MeanAveragePrecision`
+(bbox, plus segm for Mask R-CNN) in ORIGINAL image coordinates.
+
+Each validation epoch also writes to the run directory (the trainer's ``log_dir``):
+``bbox.json`` / ``segm.json`` in COCO results format (COCO image and category ids, so
+``COCO.loadRes`` + ``COCOeval`` re-score them) and PNGs of predictions drawn over a few
+validation images under ``predictions/``.
+
+Batches follow vtdense's detection data contract: ``(images, targets)`` where images are
+``[3, h, w]`` floats in 0..1 already resized by the data pipeline, and targets carry
+``boxes`` (XYXY, resized coordinates), ``labels`` (1..K), ``masks``, ``image_id``,
+``orig_size`` and, on evaluation splits, ``orig_boxes`` / ``orig_masks`` / ``iscrowd`` / ``area``
+in original coordinates.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from pycocotools import mask as mask_utils
+from torch import Tensor, nn
+from torchmetrics.detection import MeanAveragePrecision
+from torchvision.ops import box_convert
+from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
+
+from vtdense.models.detection import HEADS, build_detector, list_heads
+from vtdense.tasks.optim import param_groups, warmup_schedule
+
+__all__ = ["DetectionTask", "LR_SCHEDULES", "METRIC_BACKENDS", "IOU_TYPES", "METRIC_NAMES"]
+
+#: ``lr_schedule`` choice -> ``warmup_schedule`` kind.
+LR_SCHEDULES: dict[str, str] = {"step": "step", "cosine": "cosine", "poly": "poly", "constant": "constant"}
+#: ``metric_backend`` choice -> torchmetrics backend.
+METRIC_BACKENDS: dict[str, str] = {"pycocotools": "pycocotools", "faster_coco_eval": "faster_coco_eval"}
+#: head -> IoU types evaluated.
+IOU_TYPES: dict[str, tuple[str, ...]] = {
+    "mask_rcnn": ("bbox", "segm"),
+    "faster_rcnn": ("bbox",),
+    "retinanet": ("bbox",),
+    "fcos": ("bbox",),
+}
+#: torchmetrics key -> logged name suffix (``val/bbox_mAP``, ``val/segm_mAP50``, ...).
+METRIC_NAMES: dict[str, str] = {
+    "map": "mAP",
+    "map_50": "mAP50",
+    "map_75": "mAP75",
+    "map_small": "mAP_s",
+    "map_medium": "mAP_m",
+    "map_large": "mAP_l",
+    "mar_100": "mAR100",
+}
+
+_MASK_CHUNK = 16  # detections whose masks are upsampled together
+
+
+def _as_label_map(value: Any) -> dict[int, int]:
+    """``label -> COCO category id`` from a mapping or a sequence indexed by ``label - 1``."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        return {int(k): int(v) for k, v in value.items()}
+    if isinstance(value, Sequence):
+        return {i + 1: int(v) for i, v in enumerate(value)}
+    raise TypeError(f"label_to_category_id must be a mapping or a sequence, got {type(value).__name__}")
+
+
+def _as_name_map(value: Any, label_map: dict[int, int]) -> dict[int, str]:
+    """``label -> class name`` from a mapping keyed by category id, or a sequence indexed by label
+    (when entry 0 is ``"__background__"``) or by ``label - 1``."""
+    if value is None:
+        return {}
+    if isinstance(value, Mapping):
+        inverse = {c: lab for lab, c in label_map.items()}
+        return {inverse.get(int(k), int(k)): str(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        names = [str(v) for v in value]
+        if names and names[0] == "__background__":  # indexed by label
+            return {i: n for i, n in enumerate(names) if i > 0}
+        return {i + 1: n for i, n in enumerate(names)}
+    raise TypeError(f"category_names must be a mapping or a sequence, got {type(value).__name__}")
+
+
+def _size_tuple(value: Any, name: str) -> tuple[int, int]:
+    if isinstance(value, Tensor):
+        value = value.tolist()
+    try:
+        h, w = (int(v) for v in value)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"target {name!r} must be (height, width), got {value!r}") from err
+    return h, w
+
+
+def _rle_encode(masks: Tensor) -> list[dict[str, Any]]:
+    """Bool ``[N, H, W]`` -> COCO compressed RLEs with ``counts`` as str (JSON-ready)."""
+    if masks.shape[0] == 0:
+        return []
+    arr = np.asfortranarray(masks.permute(1, 2, 0).cpu().numpy().astype(np.uint8))
+    rles = mask_utils.encode(arr)
+    for rle in rles:
+        rle["counts"] = rle["counts"].decode("ascii")
+    return rles
+
+
+class DetectionTask(LightningModule):
+    """Train and evaluate a vtdense-backbone detector (Mask R-CNN, Faster R-CNN, RetinaNet, FCOS).
+
+    Example:
+        >>> task = DetectionTask(backbone="swin_tiny", head="mask_rcnn", num_classes=80)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        backbone: str = "swin_tiny",
+        backbone_kwargs: dict[str, Any] | None = None,
+        head: str = "mask_rcnn",
+        num_classes: int | None = None,
+        fpn_channels: int = 256,
+        slim_heads: bool = False,
+        mask_head_channels: int | None = None,
+        box_head_width: int | None = None,
+        rois_per_image: int | None = None,
+        anchor_sizes: list[float] | None = None,
+        detections_per_img: int = 100,
+        score_thresh: float = 0.05,
+        head_kwargs: dict[str, Any] | None = None,
+        lr: float = 1e-4,
+        weight_decay: float = 0.05,
+        backbone_lr_mult: float = 1.0,
+        lr_schedule: str = "step",
+        lr_milestones: list[float] | None = None,
+        lr_gamma: float = 0.1,
+        warmup_steps: int = 500,
+        warmup_factor: float = 0.001,
+        metric_backend: str = "pycocotools",
+        num_vis_images: int = 4,
+        vis_score_thresh: float = 0.5,
+    ) -> None:
+        """Initialise the task.
+
+        Args:
+            backbone: registered backbone name (``vtdense.list_backbones()``), e.g. ``swin_tiny``.
+            backbone_kwargs: ``create_backbone`` overrides (``embed_dim``, ``depths``,
+                ``drop_path_rate``, ``window_size``, ...).
+            head: ``mask_rcnn``, ``faster_rcnn``, ``retinanet`` or ``fcos``.
+            num_classes: object classes (background excluded); ``None`` takes the datamodule's
+                ``num_classes`` in ``setup``.
+            fpn_channels: FPN channels.
+            slim_heads: small R-CNN heads for CPU demos (see ``build_detector``).
+            mask_head_channels: Mask R-CNN mask head channels (``None``: 256, or 64 when slim).
+            box_head_width: R-CNN box head width (``None``: 1024, or 256 when slim).
+            rois_per_image: RoIs sampled per image for the R-CNN heads (``None``: 512, or 64 when slim).
+            anchor_sizes: base anchor size per pyramid level (``None``: the head's default).
+            detections_per_img: detections kept per image.
+            score_thresh: minimum detection score.
+            head_kwargs: extra keyword arguments for the torchvision detector class.
+            lr: AdamW learning rate.
+            weight_decay: AdamW weight decay (not applied to norms, biases, position tables, logit scales).
+            backbone_lr_mult: learning-rate multiplier of the backbone parameters.
+            lr_schedule: ``step``, ``cosine``, ``poly`` or ``constant``, after the warmup.
+            lr_milestones: epochs (may be fractional) at which ``step`` multiplies the lr by ``lr_gamma``.
+            lr_gamma: step decay factor.
+            warmup_steps: linear warmup iterations.
+            warmup_factor: lr multiplier at the first warmup iteration.
+            metric_backend: ``pycocotools`` (default, the reference) or ``faster_coco_eval``.
+            num_vis_images: validation images drawn with their predictions each epoch.
+            vis_score_thresh: minimum score of drawn predictions.
+
+        Raises:
+            ValueError: an unknown choice (the message names the option and lists the choices).
+        """
+        super().__init__()
+        if head not in HEADS:
+            raise ValueError(f"unknown head {head!r} (option 'head'); choose one of {', '.join(list_heads())}")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"unknown lr_schedule {lr_schedule!r} (option 'lr_schedule'); choose one of {', '.join(LR_SCHEDULES)}"
+            )
+        if metric_backend not in METRIC_BACKENDS:
+            raise ValueError(
+                f"unknown metric_backend {metric_backend!r} (option 'metric_backend'); "
+                f"choose one of {', '.join(METRIC_BACKENDS)}"
+            )
+        from vtdense.backbones import list_backbones
+
+        if backbone not in list_backbones():
+            raise ValueError(
+                f"unknown backbone {backbone!r} (option 'backbone'); choose one of {', '.join(list_backbones())}"
+            )
+        if num_classes is not None and num_classes < 1:
+            raise ValueError(f"num_classes must be >= 1 (background excluded), got {num_classes}")
+        self.save_hyperparameters()
+        self.label_to_category_id: dict[int, int] = {}
+        self.category_names: dict[int, str] = {}
+        self.model: nn.Module | None = None
+        self.val_metrics: MeanAveragePrecision | None = None
+        self.test_metrics: MeanAveragePrecision | None = None
+        self._results: dict[str, list[dict[str, Any]]] = {}
+        self._vis: list[tuple[int, Tensor]] = []
+        self._num_eval_images = 0
+        if num_classes is not None:
+            self.configure_models()
+            self.configure_metrics()
+
+    # ------------------------------------------------------------------ building
+    @property
+    def iou_types(self) -> tuple[str, ...]:
+        """IoU types evaluated for this head."""
+        return IOU_TYPES[self.hparams["head"]]
+
+    def configure_models(self) -> None:
+        """Build the detector from the hyperparameters."""
+        hp = self.hparams
+        self.model = build_detector(
+            hp["backbone"],
+            hp["head"],
+            int(hp["num_classes"]),
+            fpn_channels=hp["fpn_channels"],
+            backbone_kwargs=hp["backbone_kwargs"],
+            slim_heads=hp["slim_heads"],
+            mask_head_channels=hp["mask_head_channels"],
+            box_head_width=hp["box_head_width"],
+            rois_per_image=hp["rois_per_image"],
+            anchor_sizes=hp["anchor_sizes"],
+            detections_per_img=hp["detections_per_img"],
+            score_thresh=hp["score_thresh"],
+            head_kwargs=hp["head_kwargs"],
+        )
+
+    def configure_metrics(self) -> None:
+        """COCO mAP metrics for validation and test."""
+        iou = self.iou_types
+        kwargs = dict(iou_type=iou if len(iou) > 1 else iou[0], backend=METRIC_BACKENDS[self.hparams["metric_backend"]])
+        self.val_metrics = MeanAveragePrecision(**kwargs)
+        self.test_metrics = MeanAveragePrecision(**kwargs)
+
+    def setup(self, stage: str) -> None:
+        """Take ``num_classes`` and the category id / name tables from the datamodule."""
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        if self.hparams["num_classes"] is None:
+            n = getattr(dm, "num_classes", None)
+            if n is None:
+                raise ValueError("num_classes is None and the datamodule has no num_classes; pass --model.num_classes")
+            self.hparams["num_classes"] = int(n)
+        if dm is not None:
+            dm_classes = getattr(dm, "num_classes", None)
+            if dm_classes is not None and int(dm_classes) != int(self.hparams["num_classes"]):
+                raise ValueError(
+                    f"model num_classes={self.hparams['num_classes']} but the datamodule has {dm_classes} classes"
+                )
+            if hasattr(dm, "label_to_category_id"):
+                self.label_to_category_id = _as_label_map(dm.label_to_category_id)
+            if hasattr(dm, "category_names"):
+                self.category_names = _as_name_map(dm.category_names, self.label_to_category_id)
+        if self.model is None:
+            self.configure_models()
+            self.configure_metrics()
+
+    def configure_callbacks(self) -> list[Callback]:
+        """Keep the last checkpoint and the best one by ``val/bbox_mAP``."""
+        if self._trainer is not None and not self.trainer.checkpoint_callbacks:
+            return []  # checkpointing disabled on the trainer
+        return [
+            ModelCheckpoint(
+                monitor="val/bbox_mAP",
+                mode="max",
+                save_last=True,
+                filename="best-epoch{epoch:03d}",
+                auto_insert_metric_name=False,
+            )
+        ]
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the category tables so predictions from a checkpoint carry COCO ids."""
+        checkpoint["label_to_category_id"] = self.label_to_category_id
+        checkpoint["category_names"] = self.category_names
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the category tables (and build the model if ``num_classes`` was deferred)."""
+        self.label_to_category_id = dict(checkpoint.get("label_to_category_id", {}))
+        self.category_names = dict(checkpoint.get("category_names", {}))
+        if self.model is None:
+            n = checkpoint.get("hyper_parameters", {}).get("num_classes")
+            if n is not None:
+                self.hparams["num_classes"] = int(n)
+                self.configure_models()
+                self.configure_metrics()
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW with decay / no-decay groups and a per-iteration warmup + decay LambdaLR."""
+        hp = self.hparams
+        groups = param_groups(
+            self._detector, hp["weight_decay"], backbone_prefix="backbone.body.", backbone_lr_mult=hp["backbone_lr_mult"]
+        )
+        for group in groups:
+            group["lr"] = hp["lr"] * group["lr_mult"]
+            group.pop("param_names", None)
+        optimizer = torch.optim.AdamW(groups, lr=hp["lr"], weight_decay=hp["weight_decay"])
+
+        total = self.trainer.estimated_stepping_batches
+        kind = LR_SCHEDULES[hp["lr_schedule"]]
+        milestones: list[int] = []
+        if kind == "step" and hp["lr_milestones"]:
+            nb = self.trainer.num_training_batches
+            if not math.isfinite(nb):
+                raise ValueError("lr_milestones are in epochs but the train dataloader has no length")
+            per_epoch = max(1, math.ceil(nb / self.trainer.accumulate_grad_batches))
+            milestones = [int(round(float(m) * per_epoch)) for m in hp["lr_milestones"]]
+        if kind in ("cosine", "poly") and not math.isfinite(total):
+            raise ValueError(f"lr_schedule={kind!r} needs a finite run: set trainer.max_epochs or trainer.max_steps")
+        fn = functools.partial(
+            warmup_schedule,
+            total_steps=int(total) if math.isfinite(total) else 1,
+            warmup_steps=hp["warmup_steps"],
+            warmup_factor=hp["warmup_factor"],
+            kind=kind,
+            milestones=milestones,
+            gamma=hp["lr_gamma"],
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    @property
+    def _detector(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError("the detector is not built yet: pass num_classes or attach a datamodule (setup)")
+        return self.model
+
+    # ------------------------------------------------------------------ forward / train
+    def forward(self, images: list[Tensor], targets: list[dict[str, Tensor]] | None = None) -> Any:
+        """The torchvision detector: losses in train mode with targets, detections in eval mode."""
+        return self._detector(images, targets)
+
+    def _train_target(self, target: dict[str, Any]) -> dict[str, Tensor]:
+        boxes = target["boxes"].float()
+        keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
+        out = {"boxes": boxes[keep], "labels": target["labels"][keep].long()}
+        if "segm" in self.iou_types:
+            if "masks" not in target:
+                raise KeyError(f"head {self.hparams['head']!r} needs target 'masks' (image_id {target.get('image_id')})")
+            out["masks"] = target["masks"][keep]
+        return out
+
+    def training_step(self, batch: tuple[list[Tensor], list[dict[str, Any]]], batch_idx: int) -> Tensor:
+        """One optimisation step: sum of the detector's losses, each term logged."""
+        images, targets = batch
+        losses = self(list(images), [self._train_target(t) for t in targets])
+        loss = sum(losses.values())
+        bs = len(images)
+        self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, batch_size=bs)
+        self.log("train/loss", loss.detach(), prog_bar=True, batch_size=bs)
+        return loss
+
+    # ------------------------------------------------------------------ evaluation
+    def _category_ids(self, labels: Tensor) -> Tensor:
+        if not self.label_to_category_id:
+            return labels.long()
+        table = self.label_to_category_id
+        return torch.tensor([table.get(int(lab), int(lab)) for lab in labels.tolist()], dtype=torch.long)
+
+    def _to_original(self, image: Tensor, det: dict[str, Tensor], target: dict[str, Any] | None) -> dict[str, Tensor]:
+        """Rescale one image's detections to its original size; masks -> bool ``[N, H0, W0]``."""
+        h, w = int(image.shape[-2]), int(image.shape[-1])
+        if target is not None and "orig_size" in target:
+            h0, w0 = _size_tuple(target["orig_size"], "orig_size")
+        else:
+            h0, w0 = h, w
+        boxes = det["boxes"].float().detach().cpu()
+        scale = torch.tensor([w0 / w, h0 / h, w0 / w, h0 / h])
+        boxes = boxes * scale
+        boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w0)
+        boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h0)
+        out = {
+            "boxes": boxes,
+            "scores": det["scores"].float().detach().cpu(),
+            "labels": det["labels"].long().detach().cpu(),
+        }
+        out["category_ids"] = self._category_ids(out["labels"])
+        if "masks" in det:
+            probs = det["masks"].detach()
+            chunks = [
+                F.interpolate(probs[i : i + _MASK_CHUNK].float(), size=(h0, w0), mode="bilinear", align_corners=False)[
+                    :, 0
+                ].gt(0.5).cpu()
+                for i in range(0, probs.shape[0], _MASK_CHUNK)
+            ]
+            out["masks"] = torch.cat(chunks) if chunks else torch.zeros(0, h0, w0, dtype=torch.bool)
+        return out
+
+    def _ground_truth(self, image: Tensor, target: dict[str, Any]) -> dict[str, Tensor]:
+        """Ground truth in original coordinates with COCO category ids, for the metric."""
+        labels = target["labels"].long().cpu()
+        if "orig_boxes" in target:
+            boxes = target["orig_boxes"].float().cpu()
+        else:  # scale the resized boxes back
+            h0, w0 = _size_tuple(target["orig_size"], "orig_size")
+            h, w = int(image.shape[-2]), int(image.shape[-1])
+            boxes = target["boxes"].float().cpu() * torch.tensor([w0 / w, h0 / h, w0 / w, h0 / h])
+        gt: dict[str, Tensor] = {"boxes": boxes, "labels": self._category_ids(labels)}
+        if "iscrowd" in target:
+            gt["iscrowd"] = target["iscrowd"].long().cpu()
+        if "area" in target:
+            gt["area"] = target["area"].float().cpu()
+        if "segm" in self.iou_types:
+            if "orig_masks" not in target:
+                raise KeyError(
+                    f"segm evaluation needs target 'orig_masks' in original coordinates (image_id {target.get('image_id')})"
+                )
+            gt["masks"] = target["orig_masks"].bool().cpu()
+        return gt
+
+    def _record_results(self, image_id: int, pred: dict[str, Tensor]) -> None:
+        xywh = box_convert(pred["boxes"], "xyxy", "xywh").tolist()
+        cats = pred["category_ids"].tolist()
+        scores = pred["scores"].tolist()
+        bbox = self._results.setdefault("bbox", [])
+        for b, c, s in zip(xywh, cats, scores):
+            bbox.append({"image_id": image_id, "category_id": int(c), "bbox": [float(v) for v in b], "score": float(s)})
+        if "masks" in pred and "segm" in self.iou_types:
+            segm = self._results.setdefault("segm", [])
+            for rle, c, s in zip(_rle_encode(pred["masks"]), cats, scores):
+                segm.append({"image_id": image_id, "category_id": int(c), "segmentation": rle, "score": float(s)})
+
+    def _draw(self, image: Tensor, det: dict[str, Tensor]) -> Tensor:
+        """Draw detections (resized coordinates) over the model input; uint8 ``[3, h, w]``."""
+        keep = det["scores"] >= self.hparams["vis_score_thresh"]
+        canvas = (image.detach().float().clamp(0, 1) * 255).to(torch.uint8).cpu()
+        if "masks" in det and keep.any():
+            masks = det["masks"][keep][:, 0].gt(0.5).cpu()
+            canvas = draw_segmentation_masks(canvas, masks, alpha=0.45)
+        if keep.any():
+            labels = det["labels"][keep].tolist()
+            scores = det["scores"][keep].tolist()
+            text = [f"{self.category_names.get(int(lab), str(int(lab)))} {s:.2f}" for lab, s in zip(labels, scores)]
+            canvas = draw_bounding_boxes(canvas, det["boxes"][keep].float().cpu(), labels=text, colors="yellow", width=1)
+        return canvas
+
+    def _eval_step(self, batch: tuple[list[Tensor], list[dict[str, Any]]], metric: MeanAveragePrecision | None) -> None:
+        if metric is None:
+            raise RuntimeError("metrics are not configured: the detector was never set up")
+        images, targets = batch
+        dets = self(list(images))
+        preds, gts = [], []
+        for image, det, target in zip(images, dets, targets):
+            pred = self._to_original(image, det, target)
+            preds.append({k: pred[k] for k in ("boxes", "scores", "masks") if k in pred} | {"labels": pred["category_ids"]})
+            gts.append(self._ground_truth(image, target))
+            self._record_results(int(target["image_id"]), pred)
+            if len(self._vis) < self.hparams["num_vis_images"]:
+                self._vis.append((int(target["image_id"]), self._draw(image, det)))
+        metric.update(preds, gts)
+        self._num_eval_images += len(images)
+
+    def _eval_epoch_end(self, prefix: str, metric: MeanAveragePrecision | None) -> dict[str, float]:
+        if metric is None:
+            return {}
+        if self._num_eval_images == 0:
+            metric.reset()
+            return {}
+        res = metric.compute()
+        metric.reset()
+        logs: dict[str, float] = {}
+        for iou in self.iou_types:
+            for key, name in METRIC_NAMES.items():
+                value = res.get(f"{iou}_{key}", res.get(key) if len(self.iou_types) == 1 else None)
+                if value is not None:
+                    logs[f"{prefix}/{iou}_{name}"] = float(value)
+        self.log_dict(logs, batch_size=self._num_eval_images)
+        if not self.trainer.sanity_checking:
+            self._write_outputs(prefix)
+        self._results, self._vis, self._num_eval_images = {}, [], 0
+        return logs
+
+    def _gather(self, items: list[Any]) -> list[Any]:
+        if self.trainer.world_size <= 1 or not torch.distributed.is_initialized():
+            return items
+        parts: list[Any] = [None] * self.trainer.world_size
+        torch.distributed.all_gather_object(parts, items)
+        return [x for part in parts for x in part]
+
+    def run_dir(self) -> Path:
+        """Where outputs go: the trainer's ``log_dir`` (or ``default_root_dir``)."""
+        log_dir = self.trainer.log_dir if self.trainer.loggers else None
+        return Path(log_dir if log_dir is not None else self.trainer.default_root_dir)
+
+    def _write_outputs(self, prefix: str) -> None:
+        results = {k: self._gather(v) for k, v in sorted(self._results.items())}
+        vis = self._gather(self._vis)
+        if not self.trainer.is_global_zero:
+            return
+        out = self.run_dir()
+        out.mkdir(parents=True, exist_ok=True)
+        stem = "" if prefix == "val" else f"{prefix}_"
+        for iou in self.iou_types:
+            (out / f"{stem}{iou}.json").write_text(json.dumps(results.get(iou, [])))
+        from torchvision.transforms.functional import to_pil_image
+
+        vis_dir = out / "predictions"
+        vis_dir.mkdir(exist_ok=True)
+        fn = self.trainer.state.fn.value if self.trainer.state.fn is not None else prefix
+        experiment = getattr(self.logger, "experiment", None) if self.logger is not None else None
+        for image_id, canvas in vis:
+            tag = f"{fn}_{prefix}_epoch{self.current_epoch:03d}_img{image_id}"
+            to_pil_image(canvas).save(vis_dir / f"{tag}.png")
+            if hasattr(experiment, "add_image"):
+                experiment.add_image(f"{prefix}/pred_{image_id}", canvas, self.global_step)
+
+    def validation_step(self, batch: tuple[list[Tensor], list[dict[str, Any]]], batch_idx: int) -> None:
+        """Predict, rescale to original coordinates and update the COCO metric."""
+        self._eval_step(batch, self.val_metrics)
+
+    def on_validation_epoch_end(self) -> None:
+        """Compute COCO mAP once, log ``val/bbox_mAP`` etc., write results files and PNGs."""
+        self._eval_epoch_end("val", self.val_metrics)
+
+    def test_step(self, batch: tuple[list[Tensor], list[dict[str, Any]]], batch_idx: int) -> None:
+        """Like ``validation_step`` on the test split."""
+        self._eval_step(batch, self.test_metrics)
+
+    def on_test_epoch_end(self) -> None:
+        """Compute and log ``test/bbox_mAP`` etc., write ``test_bbox.json`` ..."""
+        self._eval_epoch_end("test", self.test_metrics)
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Tensor]]:
+        """Per image: ``boxes`` (XYXY), ``labels``, ``category_ids``, ``scores``, ``masks`` (bool) in original coordinates.
+
+        ``batch`` is ``(images, targets)`` (targets give ``orig_size``) or a list of images.
+        """
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], (list, tuple)) and (
+            len(batch[1]) == 0 or isinstance(batch[1][0], Mapping)
+        ):
+            images, targets = list(batch[0]), list(batch[1])
+        else:
+            images, targets = list(batch), [None] * len(batch)
+        dets = self(images)
+        return [self._to_original(img, det, tgt) for img, det, tgt in zip(images, dets, targets)]

@@ -1,0 +1,440 @@
+"""Semantic segmentation task: an SMP decoder on a vtdense backbone, trained the mmseg way.
+
+Loss is pixel-wise cross-entropy with an ignore label, plus an optional auxiliary FCN head
+on backbone stage 3 (weight 0.4, as in the Swin / UPerNet ADE20K recipes). The optimiser is
+AdamW with no weight decay on norms, biases and position tables, optional layer-wise lr
+decay, and a per-iteration poly schedule after a linear warmup. Validation reports mIoU
+(torchmetrics ``JaccardIndex``, macro: classes absent from both prediction and ground truth
+are left out, like mmseg), pixel accuracy and per-class IoU, and writes ``metrics.json``
+and colourised predictions beside the ground truth into the run directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
+from PIL import Image
+from torch import Tensor, nn
+from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
+
+from vtdense.models.segmentation import ARCHITECTURES, FCNHead, build_segmentor
+from vtdense.tasks.optim import param_groups, warmup_schedule
+
+__all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table"]
+
+_BACKBONE_PREFIX = "model.encoder.backbone."
+
+
+def color_palette(num_classes: int) -> np.ndarray:
+    """Distinct RGB colours per class (PASCAL-VOC bit-interleaving scheme), shape ``(num_classes, 3)``."""
+    palette = np.zeros((num_classes, 3), np.uint8)
+    for k in range(num_classes):
+        c, r, g, b = k + 1, 0, 0, 0
+        for shift in range(7, -1, -1):
+            r |= (c & 1) << shift
+            g |= ((c >> 1) & 1) << shift
+            b |= ((c >> 2) & 1) << shift
+            c >>= 3
+        palette[k] = (r, g, b)
+    return palette
+
+
+def layer_ids(backbone: nn.Module) -> tuple[dict[str, int], int]:
+    """Layer index of each backbone parameter for layer-wise lr decay.
+
+    Transformer blocks (modules whose class name ends in ``Block``) are numbered 1..N in
+    definition order; parameters before the first block (patch embedding, position tables)
+    get 0, parameters between blocks (patch merging) take the next block's index, and
+    parameters after the last block (output norms) get N + 1, like the head.
+
+    Returns:
+        ``({param_name: layer_id}, N + 1)`` with names relative to ``backbone``.
+    """
+    blocks: list[str] = []
+    for name, module in backbone.named_modules():
+        if name and type(module).__name__.endswith("Block") and not any(name.startswith(b + ".") for b in blocks):
+            blocks.append(name)
+    n = len(blocks)
+    ids: dict[str, int] = {}
+    pending: list[str] = []
+    seen_block = 0
+    for pname, _ in backbone.named_parameters():
+        owner = next((i for i, b in enumerate(blocks) if pname.startswith(b + ".")), None)
+        if owner is None:
+            if seen_block == 0:
+                ids[pname] = 0
+            else:
+                pending.append(pname)
+            continue
+        for p in pending:
+            ids[p] = owner + 1
+        pending = []
+        ids[pname] = owner + 1
+        seen_block = owner + 1
+    for p in pending:
+        ids[p] = n + 1
+    return ids, n + 1
+
+
+def format_class_table(names: Sequence[str], ious: Sequence[float], title: str = "per-class IoU") -> str:
+    """Two-column text table of per-class IoU (``nan``: class absent from prediction and ground truth)."""
+    width = max([len("class"), *(len(n) for n in names)])
+    rule = "-" * (width + 12)
+    lines = [title, rule, f"{'class':<{width}}  {'IoU':>8}", rule]
+    for n, v in zip(names, ious):
+        lines.append(f"{n:<{width}}  {'nan' if math.isnan(v) else f'{v:8.4f}':>8}")
+    lines.append(rule)
+    return "\n".join(lines)
+
+
+class SegmentationTask(L.LightningModule):
+    """Semantic segmentation with an SMP decoder on a vtdense backbone.
+
+    Args:
+        arch: decoder architecture, one of ``vtdense.models.segmentation.ARCHITECTURES``.
+        backbone: vtdense backbone name (``vtdense.list_backbones()``).
+        backbone_kwargs: overrides for ``create_backbone`` (``window_size``, ``drop_path_rate``, ...).
+        backbone_weights: local backbone checkpoint for ``vtdense.load_pretrained``.
+        num_classes: classes (after ``reduce_zero_label``).
+        arch_kwargs: extra arguments of the SMP model (``decoder_channels``, ...).
+        encoder_depth: SMP encoder depth (5 uses all four backbone stages).
+        ignore_index: label ignored by the loss and the metrics.
+        aux_weight: weight of the auxiliary FCN head loss on stage 3; ``0`` builds no head.
+        aux_channels: hidden channels of the auxiliary head.
+        lr: peak learning rate (AdamW).
+        weight_decay: AdamW weight decay (not applied to norms, biases, position tables).
+        betas: AdamW betas.
+        warmup_steps: linear warmup iterations.
+        warmup_factor: lr multiplier at iteration 0.
+        poly_power: power of the poly decay.
+        min_lr_factor: floor of the poly decay, as a fraction of ``lr``.
+        layer_decay: layer-wise lr decay factor (``None``: off); layer ``i`` of ``N`` gets
+            ``layer_decay ** (N - i)``.
+        inference: ``"whole"`` (the whole resized image at once) or ``"slide"`` (sliding window).
+        slide_crop: sliding-window crop (h, w).
+        slide_stride: sliding-window stride (h, w).
+        mean: per-channel mean of the ``[0, 1]`` images (normalisation happens in the task).
+        std: per-channel std.
+        class_names: names for the per-class table; default: the datamodule's ``class_names``.
+        num_vis: validation images saved as colourised predictions beside the ground truth.
+    """
+
+    def __init__(
+        self,
+        arch: str = "upernet",
+        backbone: str = "swinv2_tiny",
+        backbone_kwargs: dict[str, Any] | None = None,
+        backbone_weights: str | None = None,
+        num_classes: int = 150,
+        arch_kwargs: dict[str, Any] | None = None,
+        encoder_depth: int = 5,
+        ignore_index: int = 255,
+        aux_weight: float = 0.4,
+        aux_channels: int = 256,
+        lr: float = 6e-5,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_steps: int = 1500,
+        warmup_factor: float = 1e-6,
+        poly_power: float = 1.0,
+        min_lr_factor: float = 0.0,
+        layer_decay: float | None = None,
+        inference: str = "whole",
+        slide_crop: tuple[int, int] = (512, 512),
+        slide_stride: tuple[int, int] = (341, 341),
+        mean: tuple[float, float, float] = (0.485, 0.456, 0.406),
+        std: tuple[float, float, float] = (0.229, 0.224, 0.225),
+        class_names: list[str] | None = None,
+        num_vis: int = 4,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if arch.lower() not in ARCHITECTURES:
+            raise ValueError(f"model.arch: unknown architecture {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
+        if inference not in ("whole", "slide"):
+            raise ValueError(f"model.inference must be 'whole' or 'slide', got {inference!r}")
+        if num_classes < 1:
+            raise ValueError(f"model.num_classes must be >= 1, got {num_classes}")
+        if aux_weight > 0 and encoder_depth < 4:
+            raise ValueError(f"model.aux_weight > 0 needs backbone stage 3, i.e. encoder_depth >= 4 (got {encoder_depth})")
+        if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
+            raise ValueError(f"model.layer_decay must be in (0, 1], got {layer_decay}")
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
+        self.configure_models()
+        self.configure_losses()
+        self.configure_metrics()
+        self._vis_count = 0
+        self._class_names: list[str] | None = class_names
+
+    # ------------------------------------------------------------------ build
+    def configure_models(self) -> None:
+        """Build the SMP model and the optional auxiliary head."""
+        h = self.hparams
+        self.model = build_segmentor(
+            h.arch,
+            h.backbone,
+            h.num_classes,
+            backbone_kwargs=h.backbone_kwargs,
+            backbone_weights=h.backbone_weights,
+            in_channels=len(h.mean),
+            encoder_depth=h.encoder_depth,
+            **(h.arch_kwargs or {}),
+        )
+        self.size_divisibility = max(32, int(getattr(self.model.encoder, "size_divisibility", 32)))
+        self.aux_head = (
+            FCNHead(self.model.encoder.out_channels[4], h.num_classes, h.aux_channels) if h.aux_weight > 0 else None
+        )
+
+    def configure_losses(self) -> None:
+        """Cross-entropy with the ignore label."""
+        self.criterion = nn.CrossEntropyLoss(ignore_index=self.hparams.ignore_index)
+
+    def configure_metrics(self) -> None:
+        """mIoU (macro JaccardIndex), per-class IoU and pixel accuracy, all ignoring ``ignore_index``."""
+        c, ig = self.hparams.num_classes, self.hparams.ignore_index
+        self.val_miou = MulticlassJaccardIndex(num_classes=c, ignore_index=ig, average="macro")
+        self.val_class_iou = MulticlassJaccardIndex(
+            num_classes=c, ignore_index=ig, average="none", zero_division=float("nan")
+        )
+        self.val_acc = MulticlassAccuracy(num_classes=c, ignore_index=ig, average="micro")
+
+    def configure_callbacks(self) -> list[Callback]:
+        """Checkpoints: ``last.ckpt`` and the best by ``val/mIoU``."""
+        return [
+            ModelCheckpoint(
+                monitor="val/mIoU",
+                mode="max",
+                save_last=True,
+                filename="best-epoch{epoch}-step{step}",
+                auto_insert_metric_name=False,
+            )
+        ]
+
+    @property
+    def class_names(self) -> list[str]:
+        """Names used in the per-class table."""
+        if self._class_names is None:
+            dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+            names = getattr(dm, "class_names", None)
+            n = self.hparams.num_classes
+            self._class_names = list(names) if names is not None and len(names) == n else [f"class_{i}" for i in range(n)]
+        return self._class_names
+
+    # ---------------------------------------------------------------- forward
+    def _pad(self, x: Tensor) -> tuple[Tensor, int, int]:
+        h, w = x.shape[-2:]
+        d = self.size_divisibility
+        ph, pw = (-h) % d, (-w) % d
+        return (F.pad(x, (0, pw, 0, ph)) if ph or pw else x), h, w
+
+    def _logits(self, x: Tensor, with_aux: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Logits (and aux logits) at the input size for normalised images of any size."""
+        x, h, w = self._pad(x)
+        feats = self.model.encoder(x)
+        logits = self.model.segmentation_head(self.model.decoder(list(feats)))
+        logits = logits[..., :h, :w]
+        aux = None
+        if with_aux and self.aux_head is not None:
+            aux = F.interpolate(self.aux_head(feats[4]), size=x.shape[-2:], mode="bilinear", align_corners=False)
+            aux = aux[..., :h, :w]
+        return logits, aux
+
+    def normalize(self, image: Tensor) -> Tensor:
+        """``[0, 1]`` images -> normalised model input."""
+        return (image - self.mean) / self.std
+
+    def forward(self, image: Tensor) -> Tensor:
+        """Logits ``(N, num_classes, H, W)`` for ``[0, 1]`` images ``(N, C, H, W)`` of any size."""
+        x = self.normalize(image)
+        if self.hparams.inference == "slide" and not self.training:
+            return self.slide_inference(x)
+        return self._logits(x)[0]
+
+    def slide_inference(self, x: Tensor) -> Tensor:
+        """Sliding-window logits for normalised images (mmseg's ``slide_inference``)."""
+        ch, cw = self.hparams.slide_crop
+        sh, sw = self.hparams.slide_stride
+        n, _, h, w = x.shape
+        out = x.new_zeros((n, self.hparams.num_classes, h, w))
+        count = x.new_zeros((n, 1, h, w))
+        ny = max(h - ch + sh - 1, 0) // sh + 1
+        nx = max(w - cw + sw - 1, 0) // sw + 1
+        for iy in range(ny):
+            for ix in range(nx):
+                y2, x2 = min(iy * sh + ch, h), min(ix * sw + cw, w)
+                y1, x1 = max(y2 - ch, 0), max(x2 - cw, 0)
+                out[:, :, y1:y2, x1:x2] += self._logits(x[:, :, y1:y2, x1:x2])[0]
+                count[:, :, y1:y2, x1:x2] += 1
+        return out / count
+
+    # --------------------------------------------------------------- training
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        """Cross-entropy (+ weighted aux loss) on one batch."""
+        image, mask = batch["image"], batch["mask"]
+        logits, aux = self._logits(self.normalize(image), with_aux=True)
+        loss_main = self.criterion(logits, mask)
+        loss = loss_main
+        n = image.shape[0]
+        logs = {"train/loss_seg": loss_main}
+        if aux is not None:
+            loss_aux = self.criterion(aux, mask)
+            loss = loss + self.hparams.aux_weight * loss_aux
+            logs["train/loss_aux"] = loss_aux
+        self.log_dict(logs, batch_size=n)
+        self.log("train/loss", loss, batch_size=n, prog_bar=True)
+        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=n, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW over no-decay / layer-decay groups with a per-iteration warmup + poly schedule."""
+        h = self.hparams
+        groups = param_groups(self, h.weight_decay)
+        if h.layer_decay is not None:
+            groups = self._apply_layer_decay(groups, h.layer_decay)
+        for g in groups:
+            g["lr"] = h.lr * g.get("lr_mult", 1.0)
+        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
+        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+        total = max(total, 1)
+
+        def factor(step: int) -> float:
+            return warmup_schedule(
+                step,
+                total_steps=total,
+                warmup_steps=h.warmup_steps,
+                warmup_factor=h.warmup_factor,
+                kind="poly",
+                power=h.poly_power,
+                min_factor=h.min_lr_factor,
+            )
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _apply_layer_decay(self, groups: list[dict], decay: float) -> list[dict]:
+        ids, top = layer_ids(self.model.encoder.backbone)
+        out: list[dict] = []
+        for g in groups:
+            split: dict[int, dict] = {}
+            for p, name in zip(g["params"], g["param_names"]):
+                lid = ids.get(name[len(_BACKBONE_PREFIX):], top) if name.startswith(_BACKBONE_PREFIX) else top
+                sub = split.setdefault(
+                    lid, {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": [], "param_names": []}
+                )
+                sub["params"].append(p)
+                sub["param_names"].append(name)
+            for lid, sub in sorted(split.items()):
+                sub["lr_mult"] = g.get("lr_mult", 1.0) * decay ** (top - lid)
+                out.append(sub)
+        return out
+
+    # ------------------------------------------------------------- validation
+    def _predict_batch(self, batch: dict[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
+        """Per image: (prediction at the label size, label) with padding removed."""
+        logits = self(batch["image"])
+        pairs = []
+        for i in range(logits.shape[0]):
+            ih, iw = (int(v) for v in batch["image_size"][i])
+            mh, mw = (int(v) for v in batch["mask_size"][i])
+            li = logits[i : i + 1, :, :ih, :iw]
+            if (ih, iw) != (mh, mw):
+                li = F.interpolate(li, size=(mh, mw), mode="bilinear", align_corners=False)
+            pairs.append((li.argmax(1)[0], batch["mask"][i, :mh, :mw]))
+        return pairs
+
+    def on_validation_epoch_start(self) -> None:
+        """Reset the count of saved visualisations."""
+        self._vis_count = 0
+
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Update the metrics (at the label's original resolution) and save a few visualisations."""
+        pairs = self._predict_batch(batch)
+        for pred, mask in pairs:
+            self.val_miou.update(pred, mask)
+            self.val_class_iou.update(pred, mask)
+            self.val_acc.update(pred, mask)
+        if self._should_write() and self._vis_count < self.hparams.num_vis:
+            for i, (pred, mask) in enumerate(pairs):
+                if self._vis_count >= self.hparams.num_vis:
+                    break
+                self._save_visual(batch["image"][i], batch["image_size"][i], pred, mask)
+                self._vis_count += 1
+
+    def on_validation_epoch_end(self) -> None:
+        """Log mIoU, pixel accuracy and per-class IoU; write ``metrics.json``."""
+        miou, acc, per_class = self.val_miou.compute(), self.val_acc.compute(), self.val_class_iou.compute()
+        self.val_miou.reset()
+        self.val_acc.reset()
+        self.val_class_iou.reset()
+        names = self.class_names
+        logs = {"val/aAcc": acc}
+        logs.update({f"val/IoU.{n}": v for n, v in zip(names, per_class)})
+        self.log_dict(logs, batch_size=1)
+        self.log("val/mIoU", miou, batch_size=1, prog_bar=True)
+        self.last_metrics = {
+            "epoch": int(self.current_epoch),
+            "step": int(self.global_step),
+            "mIoU": float(miou),
+            "aAcc": float(acc),
+            "per_class_iou": {n: (None if math.isnan(float(v)) else float(v)) for n, v in zip(names, per_class)},
+        }
+        if self._should_write():
+            out = self._run_dir()
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "metrics.json").write_text(json.dumps(self.last_metrics, indent=2) + "\n")
+            if self.trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING):
+                self.print_class_table()
+
+    def on_fit_end(self) -> None:
+        """Print the per-class IoU table of the last validation."""
+        if self.trainer.is_global_zero and getattr(self, "last_metrics", None):
+            self.print_class_table(title="per-class IoU (last epoch)")
+
+    def print_class_table(self, title: str = "per-class IoU") -> None:
+        """Print the per-class IoU table of the last validation."""
+        m = self.last_metrics
+        values = [float("nan") if v is None else v for v in m["per_class_iou"].values()]
+        print(format_class_table(list(m["per_class_iou"]), values, f"{title}: mIoU {m['mIoU']:.4f}, aAcc {m['aAcc']:.4f}"))
+
+    # ---------------------------------------------------------------- outputs
+    def _should_write(self) -> bool:
+        t = self._trainer
+        return t is not None and t.is_global_zero and not t.sanity_checking
+
+    def _run_dir(self) -> Path:
+        from vtdense.cli import run_dir
+
+        return run_dir(self.trainer)
+
+    def _save_visual(self, image: Tensor, image_size: Tensor, pred: Tensor, mask: Tensor) -> None:
+        """Write ``image | ground truth | prediction`` (colourised, ignore = black) as one PNG."""
+        palette = color_palette(self.hparams.num_classes)
+        ih, iw = (int(v) for v in image_size)
+        mh, mw = mask.shape
+        img = image[:, :ih, :iw].float()
+        if (ih, iw) != (mh, mw):
+            img = F.interpolate(img[None], size=(mh, mw), mode="bilinear", align_corners=False)[0]
+        img = (img.clamp(0, 1) * 255).byte().permute(1, 2, 0).cpu().numpy()
+
+        def colour(lbl: Tensor) -> np.ndarray:
+            lbl = lbl.cpu().numpy()
+            rgb = np.zeros((*lbl.shape, 3), np.uint8)
+            valid = (lbl >= 0) & (lbl < len(palette))
+            rgb[valid] = palette[lbl[valid]]
+            return rgb
+
+        panel = np.concatenate([img, colour(mask), colour(pred)], axis=1)
+        out = self._run_dir() / "predictions"
+        out.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(panel).save(out / f"val_{self._vis_count:03d}.png")
