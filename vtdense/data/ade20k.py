@@ -1,0 +1,454 @@
+"""ADE20K (ADEChallengeData2016) semantic segmentation data, and any images + PNG label-map folder.
+
+Training follows mmseg's ADE20K pipeline: random rescale (ratio 0.5-2.0 of a 2048x512 scale,
+keeping the aspect ratio), random crop with a category-ratio cap (``cat_max_ratio``: retry
+up to 10 crops while one class covers more than 75% of the labelled pixels), horizontal flip,
+photometric jitter, padding to the crop size. Evaluation resizes the image to the scale
+(keeping the ratio) and keeps the label map at its original size; the task resizes its
+prediction back. Images come out as float tensors in ``[0, 1]`` (the task normalises), masks
+as int64 with ``ignore_index`` (255) for unlabelled and padded pixels.
+
+With ``root=None`` the datamodule reads ``$VTDENSE_DATA/ade20k`` (or ``data/ade20k``); when that
+is empty it generates a small synthetic set in the same layout into
+``$VTDENSE_CACHE`` / ``$XDG_CACHE_HOME/vtdense`` / ``~/.cache/vtdense`` (``synthetic_ade20k_v1``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from torchvision.transforms import v2
+
+from vtdense.data.synthetic_seg import generate_synthetic_segmentation
+
+__all__ = [
+    "IGNORE_INDEX",
+    "SegmentationFolder",
+    "SegTrainTransform",
+    "SegEvalTransform",
+    "seg_collate",
+    "default_ade20k_root",
+    "synthetic_cache_dir",
+    "ADE20KDataModule",
+]
+
+log = logging.getLogger(__name__)
+
+#: Label value of unlabelled / padded pixels.
+IGNORE_INDEX = 255
+_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+SYNTHETIC_NAME = "synthetic_ade20k_v1"
+
+
+class SegmentationFolder(Dataset):
+    """Images and same-named PNG label maps in two folders.
+
+    Args:
+        root: dataset root.
+        split: split name substituted into ``img_dir`` / ``ann_dir``.
+        num_classes: number of classes after ``reduce_zero_label``.
+        reduce_zero_label: map label 0 to ignore and ``k`` to ``k - 1`` (ADE20K convention).
+        img_dir: image folder relative to ``root``, ``{split}`` is substituted.
+        ann_dir: label-map folder relative to ``root``, ``{split}`` is substituted.
+        transform: callable ``(image uint8 CHW, mask int64 HW) -> dict``.
+        ignore_index: label of ignored pixels.
+
+    Raises:
+        FileNotFoundError: a missing folder, an empty image folder, or an image without its label map.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        split: str,
+        num_classes: int,
+        reduce_zero_label: bool = True,
+        img_dir: str = "images/{split}",
+        ann_dir: str = "annotations/{split}",
+        transform: Callable[[Tensor, Tensor], dict[str, Any]] | None = None,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
+        self.root = Path(root)
+        self.num_classes = num_classes
+        self.reduce_zero_label = reduce_zero_label
+        self.transform = transform
+        self.ignore_index = ignore_index
+        self.img_dir = self.root / img_dir.format(split=split)
+        self.ann_dir = self.root / ann_dir.format(split=split)
+        for d in (self.img_dir, self.ann_dir):
+            if not d.is_dir():
+                raise FileNotFoundError(f"segmentation data: folder {d} does not exist (split {split!r})")
+        images = sorted(p for p in self.img_dir.iterdir() if p.suffix.lower() in _IMAGE_SUFFIXES)
+        if not images:
+            raise FileNotFoundError(f"segmentation data: no images ({', '.join(_IMAGE_SUFFIXES)}) in {self.img_dir}")
+        missing = [p for p in images if not (self.ann_dir / f"{p.stem}.png").is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"segmentation data: {len(missing)} image(s) in {self.img_dir} have no label map in {self.ann_dir}; "
+                f"first: {missing[0].name} (expected {self.ann_dir / (missing[0].stem + '.png')})"
+            )
+        self.images = images
+        self.labels = [self.ann_dir / f"{p.stem}.png" for p in images]
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def load(self, index: int) -> tuple[Tensor, Tensor]:
+        """Image (uint8 3xHxW) and checked label map (int64 HxW, reduced if configured)."""
+        img_path, ann_path = self.images[index], self.labels[index]
+        with Image.open(img_path) as im:
+            image = np.asarray(im.convert("RGB"))
+        with Image.open(ann_path) as im:
+            if im.mode not in ("L", "P", "I", "I;16"):
+                raise ValueError(f"label map {ann_path} has mode {im.mode!r}; expected a single-channel PNG (L or P)")
+            label = np.asarray(im).astype(np.int64)
+        if label.shape != image.shape[:2]:
+            raise ValueError(
+                f"label map {ann_path} is {label.shape[1]}x{label.shape[0]} (WxH) but its image {img_path} is "
+                f"{image.shape[1]}x{image.shape[0]}"
+            )
+        if self.reduce_zero_label:
+            label = np.where((label == 0) | (label == self.ignore_index), self.ignore_index + 1, label) - 1
+        valid = label != self.ignore_index
+        if valid.any():
+            top = int(label[valid].max())
+            if top >= self.num_classes or int(label[valid].min()) < 0:
+                shown = top + 1 if self.reduce_zero_label else top
+                raise ValueError(
+                    f"label map {ann_path} holds class value {shown}, above the class count "
+                    f"(num_classes={self.num_classes}, reduce_zero_label={self.reduce_zero_label}, "
+                    f"ignore_index={self.ignore_index})"
+                )
+        return torch.from_numpy(image.copy()).permute(2, 0, 1).contiguous(), torch.from_numpy(label)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        image, mask = self.load(index)
+        if self.transform is None:
+            return {"image": image.float() / 255, "mask": mask, "image_size": tuple(image.shape[-2:])}
+        return self.transform(image, mask)
+
+
+def _rescale_size(h: int, w: int, scale: Sequence[int]) -> tuple[int, int]:
+    """mmseg keep-ratio rescale: fit (long, short) = (max(scale), min(scale))."""
+    long_s, short_s = max(scale), min(scale)
+    f = min(long_s / max(h, w), short_s / min(h, w))
+    return max(1, int(h * f + 0.5)), max(1, int(w * f + 0.5))
+
+
+def _resize(image: Tensor, mask: Tensor | None, size: tuple[int, int]) -> tuple[Tensor, Tensor | None]:
+    image = v2.functional.resize(image, list(size), antialias=True)
+    if mask is not None:
+        mask = v2.functional.resize(mask[None], list(size), interpolation=v2.InterpolationMode.NEAREST)[0]
+    return image, mask
+
+
+class SegTrainTransform:
+    """mmseg-style training augmentation on ``(uint8 image CHW, int64 mask HW)``.
+
+    Args:
+        scale: (long, short) target of the keep-ratio rescale, e.g. ``(2048, 512)``.
+        ratio_range: random multiplier range of ``scale``.
+        crop_size: (h, w) of the random crop; smaller images are padded to it.
+        cat_max_ratio: retry the crop (up to 10 times) while one class covers more than this
+            fraction of the labelled pixels; ``1.0`` disables.
+        flip_prob: horizontal flip probability.
+        photometric: apply brightness / contrast / saturation / hue jitter.
+        ignore_index: label of padded pixels.
+    """
+
+    def __init__(
+        self,
+        scale: Sequence[int] = (2048, 512),
+        ratio_range: Sequence[float] = (0.5, 2.0),
+        crop_size: Sequence[int] = (512, 512),
+        cat_max_ratio: float = 0.75,
+        flip_prob: float = 0.5,
+        photometric: bool = True,
+        ignore_index: int = IGNORE_INDEX,
+    ) -> None:
+        self.scale = tuple(scale)
+        self.ratio_range = tuple(ratio_range)
+        self.crop_size = (int(crop_size[0]), int(crop_size[1]))
+        self.cat_max_ratio = cat_max_ratio
+        self.flip_prob = flip_prob
+        self.ignore_index = ignore_index
+        self.jitter = (
+            v2.RandomApply([v2.ColorJitter(brightness=0.25, contrast=0.5, saturation=0.5, hue=0.05)], p=0.8)
+            if photometric
+            else None
+        )
+
+    def crop_box(self, mask: Tensor) -> tuple[int, int, int, int]:
+        """Top, left, height, width of a random crop honouring ``cat_max_ratio``."""
+        h, w = mask.shape
+        ch, cw = min(self.crop_size[0], h), min(self.crop_size[1], w)
+
+        def draw() -> tuple[int, int, int, int]:
+            return random.randint(0, h - ch), random.randint(0, w - cw), ch, cw
+
+        box = draw()
+        if self.cat_max_ratio < 1.0:
+            for _ in range(10):
+                t, l, bh, bw = box
+                crop = mask[t : t + bh, l : l + bw]
+                counts = torch.bincount(crop[crop != self.ignore_index].flatten())
+                counts = counts[counts > 0]
+                if len(counts) > 1 and counts.max().item() / counts.sum().item() < self.cat_max_ratio:
+                    break
+                box = draw()
+        return box
+
+    def __call__(self, image: Tensor, mask: Tensor) -> dict[str, Any]:
+        """Augment one sample; returns ``{"image": float CHW in [0, 1], "mask": int64 HW}`` at ``crop_size``."""
+        ratio = random.uniform(*self.ratio_range)
+        target = [s * ratio for s in self.scale]
+        image, mask = _resize(image, mask, _rescale_size(image.shape[1], image.shape[2], target))
+        t, l, bh, bw = self.crop_box(mask)
+        image, mask = image[:, t : t + bh, l : l + bw], mask[t : t + bh, l : l + bw]
+        if random.random() < self.flip_prob:
+            image, mask = image.flip(-1), mask.flip(-1)
+        if self.jitter is not None:
+            image = self.jitter(image)
+        ph, pw = self.crop_size[0] - bh, self.crop_size[1] - bw
+        image = F.pad(image.float() / 255, (0, pw, 0, ph), value=0.0)
+        mask = F.pad(mask, (0, pw, 0, ph), value=self.ignore_index)
+        return {"image": image, "mask": mask, "image_size": (bh, bw)}
+
+
+class SegEvalTransform:
+    """Evaluation transform: keep-ratio resize of the image to ``scale``, label map untouched.
+
+    Args:
+        scale: (long, short) target of the rescale; ``None`` keeps the image size.
+    """
+
+    def __init__(self, scale: Sequence[int] | None = (2048, 512)) -> None:
+        self.scale = tuple(scale) if scale is not None else None
+
+    def __call__(self, image: Tensor, mask: Tensor) -> dict[str, Any]:
+        """Returns ``{"image", "mask" (original size), "image_size" (resized image h, w)}``."""
+        if self.scale is not None:
+            image, _ = _resize(image, None, _rescale_size(image.shape[1], image.shape[2], self.scale))
+        return {"image": image.float() / 255, "mask": mask, "image_size": tuple(image.shape[-2:])}
+
+
+def seg_collate(samples: list[dict[str, Any]], ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
+    """Batch samples of different sizes by padding bottom/right (image 0, mask ``ignore_index``).
+
+    Returns:
+        ``{"image": N3HW float, "mask": NHW int64, "image_size": N2 int64, "mask_size": N2 int64}``.
+    """
+    ih = max(s["image"].shape[-2] for s in samples)
+    iw = max(s["image"].shape[-1] for s in samples)
+    mh = max(s["mask"].shape[-2] for s in samples)
+    mw = max(s["mask"].shape[-1] for s in samples)
+    images = torch.stack(
+        [F.pad(s["image"], (0, iw - s["image"].shape[-1], 0, ih - s["image"].shape[-2])) for s in samples]
+    )
+    masks = torch.stack(
+        [
+            F.pad(s["mask"], (0, mw - s["mask"].shape[-1], 0, mh - s["mask"].shape[-2]), value=ignore_index)
+            for s in samples
+        ]
+    )
+    return {
+        "image": images,
+        "mask": masks,
+        "image_size": torch.tensor([list(s["image_size"]) for s in samples], dtype=torch.long),
+        "mask_size": torch.tensor([list(s["mask"].shape[-2:]) for s in samples], dtype=torch.long),
+    }
+
+
+def default_ade20k_root() -> Path:
+    """``$VTDENSE_DATA/ade20k`` if ``VTDENSE_DATA`` is set, else ``data/ade20k`` (relative to the cwd)."""
+    base = os.environ.get("VTDENSE_DATA")
+    return Path(base) / "ade20k" if base else Path("data") / "ade20k"
+
+
+def synthetic_cache_dir() -> Path:
+    """Where the synthetic set lives: ``$VTDENSE_CACHE``, else ``$XDG_CACHE_HOME/vtdense``, else ``~/.cache/vtdense``."""
+    if os.environ.get("VTDENSE_CACHE"):
+        base = Path(os.environ["VTDENSE_CACHE"])
+    elif os.environ.get("XDG_CACHE_HOME"):
+        base = Path(os.environ["XDG_CACHE_HOME"]) / "vtdense"
+    else:
+        base = Path.home() / ".cache" / "vtdense"
+    return base / SYNTHETIC_NAME
+
+
+def _is_empty(path: Path) -> bool:
+    return not path.is_dir() or not any(path.iterdir())
+
+
+class ADE20KDataModule(L.LightningDataModule):
+    """ADE20K (or any images + PNG label-map folder) for semantic segmentation.
+
+    Args:
+        root: dataset root holding ``images/{split}`` and ``annotations/{split}``. ``None`` uses
+            :func:`default_ade20k_root`, falling back to a generated synthetic set when that is empty.
+            An explicit root that does not exist is an error.
+        num_classes: classes after ``reduce_zero_label`` (150 for ADE20K).
+        reduce_zero_label: label 0 -> ignore, ``k`` -> ``k - 1``.
+        batch_size: training batch size per device.
+        val_batch_size: validation batch size per device.
+        num_workers: dataloader workers.
+        scale: (long, short) rescale target (training base scale and evaluation size).
+        ratio_range: training rescale ratio range.
+        crop_size: training crop (h, w).
+        cat_max_ratio: crop category-ratio cap (``1.0`` disables).
+        flip_prob: horizontal flip probability.
+        photometric: photometric jitter on/off.
+        eval_scale: evaluation rescale target; ``None`` means ``scale``, ``[]`` keeps original sizes.
+        train_split / val_split: split folder names.
+        img_dir / ann_dir: folder templates relative to ``root`` (``{split}`` substituted).
+        ignore_index: label of ignored pixels.
+        synthetic_num_train / synthetic_num_val: sizes of the generated set (only when it is generated).
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        num_classes: int = 150,
+        reduce_zero_label: bool = True,
+        batch_size: int = 2,
+        val_batch_size: int = 1,
+        num_workers: int = 4,
+        scale: tuple[int, int] = (2048, 512),
+        ratio_range: tuple[float, float] = (0.5, 2.0),
+        crop_size: tuple[int, int] = (512, 512),
+        cat_max_ratio: float = 0.75,
+        flip_prob: float = 0.5,
+        photometric: bool = True,
+        eval_scale: tuple[int, int] | None = None,
+        train_split: str = "training",
+        val_split: str = "validation",
+        img_dir: str = "images/{split}",
+        ann_dir: str = "annotations/{split}",
+        ignore_index: int = IGNORE_INDEX,
+        synthetic_num_train: int = 96,
+        synthetic_num_val: int = 24,
+    ) -> None:
+        super().__init__()
+        if num_classes < 1:
+            raise ValueError(f"ADE20KDataModule: num_classes must be >= 1, got {num_classes}")
+        if len(crop_size) != 2 or min(crop_size) < 1:
+            raise ValueError(f"ADE20KDataModule: crop_size must be (h, w) with positive sizes, got {crop_size}")
+        self.save_hyperparameters()
+        self.root_arg = root
+        self.num_classes = num_classes
+        self.batch_size = batch_size
+        self.val_batch_size = val_batch_size
+        self.num_workers = num_workers
+        self.ignore_index = ignore_index
+        self.train_transform = SegTrainTransform(
+            scale, ratio_range, crop_size, cat_max_ratio, flip_prob, photometric, ignore_index
+        )
+        if eval_scale is not None and len(eval_scale) == 0:
+            self.eval_transform = SegEvalTransform(None)
+        else:
+            self.eval_transform = SegEvalTransform(eval_scale if eval_scale is not None else scale)
+        self._root: Path | None = None
+        self.train_dataset: SegmentationFolder | None = None
+        self.val_dataset: SegmentationFolder | None = None
+
+    @property
+    def root(self) -> Path:
+        """The resolved dataset root (generating the synthetic set if needed)."""
+        if self._root is None:
+            self._root = self._resolve_root()
+        return self._root
+
+    def _resolve_root(self) -> Path:
+        if self.root_arg is not None:
+            root = Path(self.root_arg).expanduser()
+            if not root.is_dir():
+                raise FileNotFoundError(f"ADE20KDataModule: data.root {str(root)!r} does not exist or is not a folder")
+            return root
+        default = default_ade20k_root()
+        if not _is_empty(default):
+            return default
+        cache = synthetic_cache_dir()
+        if not cache.exists():
+            log.warning(
+                "ADE20K not found at %s: generating a synthetic ADE20K-layout set in %s (pass data.root to use real data)",
+                default,
+                cache,
+            )
+        else:
+            log.warning("ADE20K not found at %s: using the synthetic set in %s", default, cache)
+        return generate_synthetic_segmentation(
+            cache, num_train=self.hparams.synthetic_num_train, num_val=self.hparams.synthetic_num_val
+        )
+
+    @property
+    def class_names(self) -> list[str]:
+        """Class names from ``classes.txt`` in the root when present, else ``class_<i>``."""
+        path = self.root / "classes.txt"
+        if path.is_file():
+            names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+            if len(names) == self.num_classes:
+                return names
+        return [f"class_{i}" for i in range(self.num_classes)]
+
+    def prepare_data(self) -> None:
+        """Resolve the root (generates the synthetic set once, on rank 0)."""
+        _ = self.root
+
+    def _dataset(self, split: str, transform: Callable[[Tensor, Tensor], dict[str, Any]]) -> SegmentationFolder:
+        h = self.hparams
+        return SegmentationFolder(
+            self.root,
+            split,
+            self.num_classes,
+            reduce_zero_label=h.reduce_zero_label,
+            img_dir=h.img_dir,
+            ann_dir=h.ann_dir,
+            transform=transform,
+            ignore_index=self.ignore_index,
+        )
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the datasets (checks every image has its label map)."""
+        if stage in ("fit", None) and self.train_dataset is None:
+            self.train_dataset = self._dataset(self.hparams.train_split, self.train_transform)
+        if stage in ("fit", "validate", "test", None) and self.val_dataset is None:
+            self.val_dataset = self._dataset(self.hparams.val_split, self.eval_transform)
+
+    def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle and len(dataset) >= batch_size,
+            num_workers=self.num_workers,
+            collate_fn=seg_collate,
+            persistent_workers=self.num_workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches of fixed crop size."""
+        assert self.train_dataset is not None, "call setup('fit') first"
+        return self._loader(self.train_dataset, self.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches (padded to the largest image in the batch)."""
+        assert self.val_dataset is not None, "call setup('validate') first"
+        return self._loader(self.val_dataset, self.val_batch_size, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader:
+        """The validation split (ADE20K's test labels are not public)."""
+        return self.val_dataloader()

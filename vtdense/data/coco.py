@@ -1,0 +1,594 @@
+"""COCO-format instance detection: the :class:`COCODetection` dataset and :class:`COCODataModule`.
+
+Batch contract (after :func:`collate_detection`): ``(images, targets)`` where ``images`` is a
+list of ``float32`` ``[3, h, w]`` tensors in ``[0, 1]`` (sizes differ) and each target dict has
+
+- ``boxes``: ``float32 [N, 4]`` XYXY in the transformed image's pixels;
+- ``labels``: ``int64 [N]`` in ``1..num_classes`` (0 is background);
+- ``masks``: ``uint8 [N, h, w]`` in transformed coordinates (``[0, h, w]`` without instances);
+- ``iscrowd``: ``int64 [N]``; ``area``: ``float32 [N]`` (COCO ``area``, original coordinates);
+- ``image_id``: the COCO image id (``int``); ``orig_size``: ``(H0, W0)``;
+- evaluation splits only: ``orig_boxes`` ``float32 [N, 4]`` XYXY and ``orig_masks``
+  ``bool [N, H0, W0]`` in original coordinates, for ``MeanAveragePrecision`` ground truth.
+
+Training splits drop crowd instances; evaluation splits keep them (``iscrowd=1``). An instance
+whose box shrinks below 1 px under the resize is dropped from every per-instance key (``orig_*``
+included), so all of them keep one length ``N``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import lightning as L
+import numpy as np
+import torch
+from PIL import Image
+from pycocotools import mask as mask_utils
+from pycocotools.coco import COCO
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from torchvision import tv_tensors
+from torchvision.transforms.v2 import functional as TF
+
+from vtdense.data.synthetic import synthetic_coco_root
+from vtdense.data.transforms import (
+    DEFAULT_MAX_SIZE,
+    DEFAULT_TEST_SCALE,
+    DEFAULT_TRAIN_SCALES,
+    detection_eval_transforms,
+    detection_train_transforms,
+    drop_degenerate_instances,
+)
+
+__all__ = [
+    "COCODataModule",
+    "COCODatasetError",
+    "COCODetection",
+    "collate_detection",
+    "load_coco_json",
+    "read_coco_categories",
+]
+
+logger = logging.getLogger(__name__)
+
+Transform = Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]]
+
+
+class COCODatasetError(ValueError):
+    """A COCO annotation file, or one of its entries, is invalid."""
+
+
+def load_coco_json(ann_file: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a COCO instances JSON and check its top-level structure.
+
+    Args:
+        ann_file: Path to the JSON file.
+
+    Returns:
+        The parsed dict, with ``annotations`` defaulting to an empty list.
+
+    Raises:
+        FileNotFoundError: If the file does not exist.
+        COCODatasetError: If it is not valid JSON or lacks ``images``/``categories`` lists.
+    """
+    path = Path(ann_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"COCO annotation file not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise COCODatasetError(f"{path} is not a valid COCO JSON file: {e}") from None
+    if not isinstance(data, dict):
+        raise COCODatasetError(f"{path} is not a valid COCO JSON file: top level is {type(data).__name__}, not an object")
+    for key in ("images", "categories"):
+        if not isinstance(data.get(key), list):
+            raise COCODatasetError(f"{path} is not a valid COCO JSON file: missing list {key!r}")
+    if not isinstance(data.setdefault("annotations", []), list):
+        raise COCODatasetError(f"{path} is not a valid COCO JSON file: 'annotations' is not a list")
+    return data
+
+
+def _parse_categories(data: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+    """Validated categories sorted by id."""
+    seen: set[int] = set()
+    for cat in data["categories"]:
+        if not isinstance(cat, dict) or not isinstance(cat.get("id"), int) or isinstance(cat.get("id"), bool):
+            raise COCODatasetError(f"{path}: category entry {cat!r} has no integer 'id'")
+        if cat["id"] in seen:
+            raise COCODatasetError(f"{path}: duplicate category id {cat['id']}")
+        seen.add(cat["id"])
+    if not seen:
+        raise COCODatasetError(f"{path}: 'categories' is empty")
+    return sorted(data["categories"], key=lambda c: c["id"])
+
+
+def read_coco_categories(ann_file: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Categories of a COCO annotation file, sorted by id (label ``i + 1`` is entry ``i``).
+
+    Args:
+        ann_file: Path to the JSON file.
+
+    Returns:
+        The category dicts (``id``, ``name``, ...), sorted by id.
+    """
+    return _parse_categories(load_coco_json(ann_file), Path(ann_file))
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Convert grayscale, RGBA, palette (with or without transparency) ... to RGB."""
+    if img.mode == "RGB":
+        return img
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    return img.convert("RGB")
+
+
+class COCODetection(Dataset):
+    """COCO-format instance detection / segmentation dataset.
+
+    The annotation file is validated at construction: invalid JSON, unknown category ids,
+    malformed boxes and missing image files raise one clear error before training starts.
+    Degenerate annotations (box side ``<= min_box_size`` after clipping to the image, or
+    ``area <= 0``) are dropped with one warning giving their count. Images without annotations
+    are kept. On training splits crowd annotations are dropped.
+
+    Args:
+        image_dir: Folder holding the images named by ``file_name``.
+        ann_file: COCO instances JSON.
+        transforms: Callable over ``(tv_tensors.Image, target)``; see
+            :mod:`vtdense.data.transforms`. ``None`` keeps the original size.
+        train: Training split (drop crowds) or evaluation split (add ``orig_*`` ground truth).
+        min_box_size: Annotations whose clipped box is at most this many pixels wide or high are
+            dropped at load time.
+
+    Attributes:
+        coco: The pycocotools :class:`~pycocotools.coco.COCO` object of the (unfiltered) file.
+        ann_file: Path of the annotation file.
+        image_dir: Path of the image folder.
+        ids: COCO image ids, in dataset order.
+        categories: Category dicts sorted by id.
+        label_to_category_id: ``{label: category_id}`` for labels ``1..num_classes``.
+        category_id_to_label: The inverse mapping.
+        category_names: Names indexed by label; entry 0 is ``"__background__"``.
+        num_dropped: Number of degenerate annotations dropped at load time.
+    """
+
+    def __init__(
+        self,
+        image_dir: str | os.PathLike[str],
+        ann_file: str | os.PathLike[str],
+        transforms: Transform | None = None,
+        train: bool = False,
+        *,
+        min_box_size: float = 1.0,
+    ) -> None:
+        self.image_dir = Path(image_dir)
+        self.ann_file = Path(ann_file)
+        self.transforms = transforms
+        self.train = train
+        self.min_box_size = float(min_box_size)
+        if not self.image_dir.is_dir():
+            raise FileNotFoundError(f"COCO image folder not found: {self.image_dir}")
+        data = load_coco_json(self.ann_file)
+        self.categories = _parse_categories(data, self.ann_file)
+        self.category_id_to_label: dict[int, int] = {c["id"]: i + 1 for i, c in enumerate(self.categories)}
+        self.label_to_category_id: dict[int, int] = {v: k for k, v in self.category_id_to_label.items()}
+        self.category_names: list[str] = ["__background__"] + [str(c.get("name", c["id"])) for c in self.categories]
+
+        self._images: dict[int, dict[str, Any]] = {}
+        for img in data["images"]:
+            if not isinstance(img, dict) or any(k not in img for k in ("id", "file_name", "height", "width")):
+                raise COCODatasetError(f"{self.ann_file}: image entry {img!r} needs id, file_name, height, width")
+            if img["id"] in self._images:
+                raise COCODatasetError(f"{self.ann_file}: duplicate image id {img['id']}")
+            self._images[img["id"]] = img
+        self.ids: list[int] = list(self._images)
+        self._anns: dict[int, list[dict[str, Any]]] = {i: [] for i in self.ids}
+        self.num_dropped = 0
+        num_crowd = 0
+        for ann in data["annotations"]:
+            kept = self._check_annotation(ann)
+            if kept is None:
+                self.num_dropped += 1
+            elif train and kept["iscrowd"]:
+                num_crowd += 1
+            else:
+                self._anns[ann["image_id"]].append(kept)
+        if self.num_dropped:
+            logger.warning(
+                "%s: dropped %d degenerate annotations (box side <= %g px or zero area)",
+                self.ann_file, self.num_dropped, self.min_box_size,
+            )
+        if num_crowd:
+            logger.debug("%s: removed %d crowd annotations from the training split", self.ann_file, num_crowd)
+        self._check_files()
+        with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
+            self.coco = COCO()
+            self.coco.dataset = data
+            self.coco.createIndex()
+
+    @property
+    def num_classes(self) -> int:
+        """Number of object classes (background excluded)."""
+        return len(self.categories)
+
+    def _check_annotation(self, ann: Any) -> dict[str, Any] | None:
+        """Validate one annotation; return a normalised copy, or None when degenerate."""
+        if not isinstance(ann, dict) or "id" not in ann:
+            raise COCODatasetError(f"{self.ann_file}: annotation entry {ann!r} has no 'id'")
+        ann_id = ann["id"]
+        if ann.get("image_id") not in self._images:
+            raise COCODatasetError(
+                f"{self.ann_file}: annotation {ann_id} refers to unknown image id {ann.get('image_id')!r}"
+            )
+        if ann.get("category_id") not in self.category_id_to_label:
+            raise COCODatasetError(
+                f"{self.ann_file}: annotation {ann_id} has category_id {ann.get('category_id')!r}, "
+                f"which is not in 'categories' (known ids: {sorted(self.category_id_to_label)})"
+            )
+        bbox = ann.get("bbox")
+        if (
+            not isinstance(bbox, (list, tuple))
+            or len(bbox) != 4
+            or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in bbox)
+        ):
+            raise COCODatasetError(f"{self.ann_file}: annotation {ann_id} has an invalid bbox {bbox!r}")
+        img = self._images[ann["image_id"]]
+        x0 = min(max(float(bbox[0]), 0.0), float(img["width"]))
+        y0 = min(max(float(bbox[1]), 0.0), float(img["height"]))
+        x1 = min(max(float(bbox[0] + bbox[2]), 0.0), float(img["width"]))
+        y1 = min(max(float(bbox[1] + bbox[3]), 0.0), float(img["height"]))
+        area = float(ann.get("area", (x1 - x0) * (y1 - y0)))
+        if x1 - x0 <= self.min_box_size or y1 - y0 <= self.min_box_size or area <= 0:
+            return None
+        return {**ann, "xyxy": (x0, y0, x1, y1), "area": area, "iscrowd": int(ann.get("iscrowd", 0))}
+
+    def _check_files(self) -> None:
+        """Fail early, naming the first missing image, when image files are absent."""
+        missing = [i for i in self.ids if not os.path.exists(self.image_dir / self._images[i]["file_name"])]
+        if missing:
+            first = self._images[missing[0]]
+            raise FileNotFoundError(
+                f"image file not found: {self.image_dir / first['file_name']} (image id {first['id']} in "
+                f"{self.ann_file}); {len(missing)} of {len(self.ids)} images are missing"
+            )
+
+    def __len__(self) -> int:
+        """Number of images."""
+        return len(self.ids)
+
+    def _decode_mask(self, ann: dict[str, Any], height: int, width: int) -> np.ndarray:
+        """Binary ``uint8 [H, W]`` mask of an annotation (polygons, RLE or uncompressed RLE)."""
+        seg = ann.get("segmentation")
+        try:
+            if isinstance(seg, list) and any(isinstance(p, list) and len(p) >= 6 for p in seg):
+                polys = [p for p in seg if isinstance(p, list) and len(p) >= 6]
+                rle = mask_utils.merge(mask_utils.frPyObjects(polys, height, width))
+            elif isinstance(seg, dict):
+                if list(seg.get("size", [])) != [height, width]:
+                    raise COCODatasetError(f"RLE size {seg.get('size')} differs from the image size {[height, width]}")
+                rle = mask_utils.frPyObjects(seg, height, width) if isinstance(seg.get("counts"), list) else seg
+            else:  # no usable segmentation: fall back to the box
+                mask = np.zeros((height, width), dtype=np.uint8)
+                x0, y0, x1, y1 = ann["xyxy"]
+                mask[int(y0) : int(math.ceil(y1)), int(x0) : int(math.ceil(x1))] = 1
+                return mask
+            return np.ascontiguousarray(mask_utils.decode(rle), dtype=np.uint8)
+        except Exception as e:  # pycocotools raises assorted errors on malformed input
+            raise COCODatasetError(
+                f"{self.ann_file}: cannot decode the segmentation of annotation {ann['id']} "
+                f"(image id {ann['image_id']}): {e}"
+            ) from None
+
+    def _load_image(self, info: dict[str, Any]) -> Image.Image:
+        """Open an image as RGB and check its size against the annotation file."""
+        path = self.image_dir / info["file_name"]
+        try:
+            with Image.open(path) as raw:
+                img = _to_rgb(raw)
+                img.load()
+        except OSError as e:
+            raise COCODatasetError(f"cannot read image {path} (image id {info['id']}): {e}") from None
+        if (img.height, img.width) != (int(info["height"]), int(info["width"])):
+            raise COCODatasetError(
+                f"image {path} (image id {info['id']}) is {img.height}x{img.width} but {self.ann_file} "
+                f"says {info['height']}x{info['width']}"
+            )
+        return img
+
+    def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Any]]:
+        """Load, transform and return ``(image, target)``; see the module docstring."""
+        image_id = self.ids[index]
+        info = self._images[image_id]
+        img = self._load_image(info)
+        height, width = img.height, img.width
+        anns = self._anns[image_id]
+        boxes = torch.tensor([a["xyxy"] for a in anns], dtype=torch.float32).reshape(-1, 4)
+        if anns:
+            masks = torch.from_numpy(np.stack([self._decode_mask(a, height, width) for a in anns]))
+        else:
+            masks = torch.zeros((0, height, width), dtype=torch.uint8)
+        target: dict[str, Any] = {
+            "boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(height, width)),
+            "labels": torch.tensor([self.category_id_to_label[a["category_id"]] for a in anns], dtype=torch.int64),
+            "masks": tv_tensors.Mask(masks),
+            "iscrowd": torch.tensor([a["iscrowd"] for a in anns], dtype=torch.int64),
+            "area": torch.tensor([a["area"] for a in anns], dtype=torch.float32),
+        }
+        if not self.train:
+            target["orig_boxes"] = boxes.clone()
+            target["orig_masks"] = masks.bool()
+        image: Any = tv_tensors.Image(TF.pil_to_tensor(img))
+        if self.transforms is not None:
+            image, target = self.transforms(image, target)
+        target, _ = drop_degenerate_instances(target, min_size=1.0)
+        image = image.as_subclass(Tensor) if isinstance(image, Tensor) else TF.pil_to_tensor(image)
+        image = TF.to_dtype(image, torch.float32, scale=True)
+        out = {k: (v.as_subclass(Tensor) if isinstance(v, Tensor) else v) for k, v in target.items()}
+        out["boxes"] = out["boxes"].to(torch.float32)
+        out["masks"] = out["masks"].to(torch.uint8)
+        out["image_id"] = int(image_id)
+        out["orig_size"] = (height, width)
+        return image, out
+
+
+def collate_detection(batch: Sequence[tuple[Tensor, dict[str, Any]]]) -> tuple[list[Tensor], list[dict[str, Any]]]:
+    """Collate ``(image, target)`` pairs of different sizes into two lists.
+
+    Args:
+        batch: Items from :class:`COCODetection`.
+
+    Returns:
+        ``(images, targets)``.
+    """
+    return [item[0] for item in batch], [item[1] for item in batch]
+
+
+_SPLIT_FILES: dict[str, tuple[str, str]] = {
+    "train": ("annotations/instances_train2017.json", "train2017"),
+    "val": ("annotations/instances_val2017.json", "val2017"),
+}
+
+
+class COCODataModule(L.LightningDataModule):
+    """LightningDataModule for COCO-format detection (real COCO, synthetic shapes, or any pair).
+
+    Paths: ``root`` with the standard layout (``annotations/instances_{train,val}2017.json``,
+    ``train2017/``, ``val2017/``); the explicit ``*_ann``/``*_images`` arguments override single
+    files. When neither is given, ``$VTDENSE_DATA/coco`` (or ``data/coco``) is used; if that holds
+    no COCO and ``synthetic_if_missing``, a cached synthetic dataset is used instead, with one log
+    line saying so. A path you type is never replaced by synthetic data.
+
+    Test and predict use the validation split unless ``test_ann``/``test_images`` are given.
+
+    Args:
+        root: Dataset root with the standard COCO 2017 layout.
+        train_ann: Training annotation JSON (overrides ``root``'s).
+        train_images: Training image folder (overrides ``root``'s).
+        val_ann: Validation annotation JSON.
+        val_images: Validation image folder.
+        test_ann: Test annotation JSON (defaults to the validation one).
+        test_images: Test image folder (defaults to the validation one).
+        batch_size: Images per batch, all splits.
+        num_workers: DataLoader worker processes.
+        pin_memory: Pin batches in page-locked memory.
+        persistent_workers: Keep workers alive between epochs (only with ``num_workers > 0``).
+        train_scales: Short sides sampled in training.
+        max_size: Long-side cap, training and evaluation.
+        test_scale: Short side in evaluation.
+        flip_prob: Horizontal-flip probability in training.
+        min_box_size: Annotations with a box side at most this many pixels are dropped.
+        synthetic_if_missing: Fall back to synthetic data when the default location is empty.
+        cache_dir: Cache folder for the synthetic dataset (default: see
+            :func:`vtdense.data.synthetic.default_cache_dir`).
+
+    Raises:
+        FileNotFoundError: If a path given explicitly does not exist or lacks the COCO files.
+        ValueError: If only some of the explicit ``train_*``/``val_*`` paths are given without
+            ``root``.
+    """
+
+    def __init__(
+        self,
+        root: str | None = None,
+        train_ann: str | None = None,
+        train_images: str | None = None,
+        val_ann: str | None = None,
+        val_images: str | None = None,
+        test_ann: str | None = None,
+        test_images: str | None = None,
+        batch_size: int = 2,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        persistent_workers: bool = True,
+        train_scales: Sequence[int] = DEFAULT_TRAIN_SCALES,
+        max_size: int = DEFAULT_MAX_SIZE,
+        test_scale: int = DEFAULT_TEST_SCALE,
+        flip_prob: float = 0.5,
+        min_box_size: float = 1.0,
+        synthetic_if_missing: bool = True,
+        cache_dir: str | None = None,
+    ) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+        self.save_hyperparameters()
+        self.root = root
+        self.explicit = {
+            "train_ann": train_ann, "train_images": train_images, "val_ann": val_ann, "val_images": val_images,
+        }
+        if (test_ann is None) != (test_images is None):
+            raise ValueError("give test_ann and test_images together, or neither")
+        self.test_paths = (test_ann, test_images) if test_ann is not None else None
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+        self.train_scales = tuple(int(s) for s in train_scales)
+        self.max_size = max_size
+        self.test_scale = test_scale
+        self.flip_prob = flip_prob
+        self.min_box_size = min_box_size
+        self.synthetic_if_missing = synthetic_if_missing
+        self.cache_dir = cache_dir
+        self._paths: dict[str, tuple[Path, Path]] | None = None
+        self._categories: list[dict[str, Any]] | None = None
+        self._categories_source: Path | None = None
+        self.train_dataset: COCODetection | None = None
+        self.val_dataset: COCODetection | None = None
+        self.test_dataset: COCODetection | None = None
+        # Validate the transform settings now, and the paths the user typed (cheap checks).
+        detection_train_transforms(self.train_scales, max_size, flip_prob)
+        detection_eval_transforms(test_scale, max_size)
+        if root is not None or any(v is not None for v in self.explicit.values()):
+            self._resolve_paths()
+
+    # ----------------------------------------------------------------------------- paths
+    def _resolve_paths(self) -> dict[str, tuple[Path, Path]]:
+        """Decide the annotation file and image folder of each split (once)."""
+        if self._paths is not None:
+            return self._paths
+        given = {k: v for k, v in self.explicit.items() if v is not None}
+        if self.root is not None:
+            root = Path(self.root).expanduser()
+            if not root.is_dir():
+                raise FileNotFoundError(f"COCO root not found: {root}")
+            paths = {}
+            for split, (ann_rel, img_rel) in _SPLIT_FILES.items():
+                ann = Path(given.get(f"{split}_ann", root / ann_rel))
+                img = Path(given.get(f"{split}_images", root / img_rel))
+                paths[split] = (ann, img)
+        elif given:
+            absent = [k for k, v in self.explicit.items() if v is None]
+            if absent:
+                raise ValueError(
+                    f"without root, give all of train_ann, train_images, val_ann, val_images; missing: {absent}"
+                )
+            paths = {s: (Path(given[f"{s}_ann"]), Path(given[f"{s}_images"])) for s in _SPLIT_FILES}
+        else:
+            env = os.environ.get("VTDENSE_DATA")
+            default = Path(env).expanduser() / "coco" if env else Path("data/coco")
+            paths = {s: (default / a, default / i) for s, (a, i) in _SPLIT_FILES.items()}
+            if not all(a.is_file() and i.is_dir() for a, i in paths.values()):
+                if not self.synthetic_if_missing:
+                    raise FileNotFoundError(
+                        f"no COCO dataset at {default.resolve()} (expected annotations/instances_train2017.json, "
+                        "annotations/instances_val2017.json, train2017/, val2017/); set root= or $VTDENSE_DATA"
+                    )
+                logger.warning("No COCO dataset at %s; using synthetic shapes data instead", default.resolve())
+                synth = synthetic_coco_root(self.cache_dir)
+                paths = {s: (synth / a, synth / i) for s, (a, i) in _SPLIT_FILES.items()}
+        if self.test_paths is not None:
+            paths["test"] = (Path(self.test_paths[0]), Path(self.test_paths[1]))
+        for split, (ann, img) in paths.items():
+            if not ann.is_file():
+                raise FileNotFoundError(f"COCO {split} annotation file not found: {ann}")
+            if not img.is_dir():
+                raise FileNotFoundError(f"COCO {split} image folder not found: {img}")
+        self._paths = paths
+        return paths
+
+    @property
+    def paths(self) -> dict[str, tuple[Path, Path]]:
+        """``{split: (annotation_file, image_folder)}`` after resolution."""
+        return self._resolve_paths()
+
+    # ------------------------------------------------------------------------ categories
+    @property
+    def categories(self) -> list[dict[str, Any]]:
+        """Category dicts sorted by id, read from the validation file (cheap; before setup)."""
+        if self._categories is None:
+            self._categories_source = self._resolve_paths()["val"][0]
+            self._categories = read_coco_categories(self._categories_source)
+        return self._categories
+
+    @property
+    def num_classes(self) -> int:
+        """Number of object classes (background excluded)."""
+        return len(self.categories)
+
+    @property
+    def label_to_category_id(self) -> dict[int, int]:
+        """``{label: COCO category id}`` for labels ``1..num_classes``."""
+        return {i + 1: c["id"] for i, c in enumerate(self.categories)}
+
+    @property
+    def category_names(self) -> list[str]:
+        """Class names indexed by label; entry 0 is ``"__background__"``."""
+        return ["__background__"] + [str(c.get("name", c["id"])) for c in self.categories]
+
+    # ------------------------------------------------------------------------- lightning
+    def prepare_data(self) -> None:
+        """Resolve paths (generating the synthetic dataset if it is needed and absent)."""
+        self._resolve_paths()
+
+    def _make(self, split: str, train: bool) -> COCODetection:
+        """Build one split's dataset and check its categories against the others."""
+        ann, img = self._resolve_paths()[split]
+        if train:
+            transforms = detection_train_transforms(self.train_scales, self.max_size, self.flip_prob)
+        else:
+            transforms = detection_eval_transforms(self.test_scale, self.max_size)
+        ds = COCODetection(img, ann, transforms, train=train, min_box_size=self.min_box_size)
+        if self._categories is None:
+            self._categories, self._categories_source = ds.categories, ann
+        ref_ids = [c["id"] for c in self._categories]
+        if [c["id"] for c in ds.categories] != ref_ids:
+            raise COCODatasetError(
+                f"{ann} has category ids {[c['id'] for c in ds.categories]} but {self._categories_source} "
+                f"has {ref_ids}; all splits must share one category list"
+            )
+        return ds
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the datasets a stage needs (``fit``, ``validate``, ``test``, ``predict``)."""
+        if stage in (None, "fit", "validate", "predict") and self.val_dataset is None:
+            self.val_dataset = self._make("val", train=False)
+        if stage in (None, "fit") and self.train_dataset is None:
+            self.train_dataset = self._make("train", train=True)
+        if stage in (None, "test") and self.test_dataset is None:
+            if self.test_paths is None:
+                self.test_dataset = self.val_dataset if self.val_dataset is not None else self._make("val", False)
+            else:
+                self.test_dataset = self._make("test", train=False)
+
+    def _loader(self, dataset: COCODetection | None, shuffle: bool, name: str) -> DataLoader:
+        """A DataLoader with the detection collate function."""
+        if dataset is None:
+            raise RuntimeError(f"call setup() before {name}_dataloader()")
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers and self.num_workers > 0,
+            collate_fn=collate_detection,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches."""
+        return self._loader(self.train_dataset, True, "train")
+
+    def val_dataloader(self) -> DataLoader:
+        """Validation batches (with ``orig_*`` ground truth)."""
+        return self._loader(self.val_dataset, False, "val")
+
+    def test_dataloader(self) -> DataLoader:
+        """Test batches (the validation split unless test paths were given)."""
+        return self._loader(self.test_dataset, False, "test")
+
+    def predict_dataloader(self) -> DataLoader:
+        """Prediction batches over the validation split."""
+        return self._loader(self.val_dataset, False, "predict")
