@@ -328,3 +328,18 @@ def test_public_api() -> None:
     assert isinstance(vtdense.__version__, str)
     assert isinstance(vtdense.create_backbone("swin_tiny", **TINY), (SwinTransformer, vtdense.Backbone))
     assert {"relative_position_bias_table", "logit_scale"} <= vtdense.create_backbone("swin_tiny", **TINY).no_weight_decay()
+
+
+def test_save_and_load_backbone_round_trip(tmp_path) -> None:
+    model = vtdense.create_backbone("swinv2_tiny", **TINY).eval()
+    path = vtdense.save_backbone(model, tmp_path / "bb.pth")
+    again = vtdense.load_backbone(path).eval()
+    x = torch.randn(1, 3, 40, 56)
+    with torch.no_grad():
+        assert all(torch.equal(a, b) for a, b in zip(model(x).values(), again(x).values()))
+    # fine-tune at a larger window from the same file (V2: Log-CPB needs no resizing)
+    wider = vtdense.load_backbone(path, window_size=8, pretrained_window_size=4)
+    assert wider.window_size == (8, 8)
+    with pytest.raises(CheckpointError, match="save_backbone"):
+        torch.save(model.state_dict(), tmp_path / "plain.pth")
+        vtdense.load_backbone(tmp_path / "plain.pth")

@@ -40,4 +40,6 @@ def create_backbone(name: str, **overrides: Any) -> nn.Module:
     """
     if name not in _BACKBONES:
         raise ValueError(f"unknown backbone {name!r}; known backbones: {', '.join(list_backbones())}")
-    return _BACKBONES[name](**overrides)
+    model = _BACKBONES[name](**overrides)
+    model.config = {"name": name, **overrides}  # what save_backbone needs to rebuild it
+    return model

@@ -25,7 +25,14 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CheckpointError", "load_pretrained", "convert_state_dict", "register_converter"]
+__all__ = [
+    "CheckpointError",
+    "convert_state_dict",
+    "load_backbone",
+    "load_pretrained",
+    "register_converter",
+    "save_backbone",
+]
 
 # Buffers some formats persist that vtdense derives itself, and classification-only weights.
 _DROP = re.compile(
@@ -168,6 +175,57 @@ def _unfold_to_concat(v: Tensor) -> Tensor:
     return v[..., [0, 2, 1, 3], :].reshape(*v.shape[:-2], c4)
 
 
+# ---------------------------------------------------------------------------------------------
+# MViTv2
+# ---------------------------------------------------------------------------------------------
+# vtdense uses timm's MViTv2 names (``stages.{s}.blocks.{j}``). The original
+# facebookresearch/mvit checkpoints (``model_state`` wrapper) and detectron2's ``MViT``
+# (``backbone.bottom_up.`` prefix) number blocks flat (``blocks.{i}``) and call the width-changing
+# shortcut ``blocks.{i}.proj``; detectron2 also stores the output norms as ``scale{2..5}_norm``.
+
+
+def _mvitv2_flat_to_staged(sd: dict[str, Tensor], depths: tuple[int, ...], expand_attn: bool) -> dict[str, Tensor]:
+    where = [(s, j) for s, d in enumerate(depths) for j in range(d)]
+    shortcut = "shortcut_proj_attn" if expand_attn else "shortcut_proj_mlp"
+    out = {}
+    for k, v in sd.items():
+        m = re.match(r"blocks\.(\d+)\.(.*)", k)
+        if m:
+            i = int(m[1])
+            if i >= len(where):
+                raise CheckpointError(f"checkpoint block {i} does not exist in a model of depths {depths}")
+            s, j = where[i]
+            rest = re.sub(r"^proj\.", f"{shortcut}.", m[2])
+            k = f"stages.{s}.blocks.{j}.{rest}"
+        k = re.sub(r"^scale(\d)_norm\.", lambda n: f"out_norms.stage{int(n[1]) - 1}.", k)
+        out[k] = v
+    return out
+
+
+@register_converter("mvitv2")
+def _convert_mvitv2(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
+    from vtdense.layers.position import resize_rel_pos_table
+
+    sd = _strip_prefix(sd, ("backbone.bottom_up.", "backbone.", "model."))
+    if any(re.match(r"blocks\.\d+\.", k) for k in sd):
+        sd = _mvitv2_flat_to_staged(sd, tuple(model.depths), bool(model.expand_attn))
+    own = model.state_dict()
+    built = len(model.stages)
+    out = {}
+    for k, v in sd.items():
+        if _DROP.search(k):
+            continue
+        m = re.match(r"stages\.(\d+)\.", k)
+        if m and int(m[1]) >= built:
+            continue  # stages beyond the last requested output are not built
+        if k.startswith("out_norms.") and k not in own:
+            continue  # output norms of outputs the model does not emit (or out_norm=False)
+        if re.search(r"\.rel_pos_[hw]$", k) and k in own and own[k].shape[0] != v.shape[0]:
+            v = resize_rel_pos_table(v, own[k].shape[0])  # checkpoint made for another img_size
+        out[k] = v
+    return out
+
+
 def convert_state_dict(state_dict: object, model: nn.Module, source: str = "state dict") -> dict[str, Tensor]:
     """Translate a foreign (or vtdense) state dict into ``model``'s key space."""
     sd = _unwrap(state_dict, source)
@@ -225,3 +283,38 @@ def load_pretrained(
     fitting = {k: v for k, v in sd.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(fitting, strict=False)
     return missing, unexpected
+
+
+def save_backbone(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Save a backbone made by ``create_backbone`` with its config, so :func:`load_backbone`
+    rebuilds it without knowing the options (the file is a plain ``torch.save`` dict)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"{type(model).__name__} was not made by vtdense.create_backbone; save its state_dict instead")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save({"vtdense_backbone": dict(config), "state_dict": model.state_dict()}, tmp)
+    tmp.replace(path)  # never leave a half-written file where a good one was
+    return path
+
+
+def load_backbone(path: str | os.PathLike, **overrides: object) -> nn.Module:
+    """Rebuild a backbone written by :func:`save_backbone` (``overrides`` change its options,
+    e.g. a larger ``window_size`` for fine-tuning; tables are resized as needed)."""
+    from vtdense.backbones.registry import create_backbone
+
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file not found: {path}")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file name
+        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
+    if not isinstance(obj, dict) or "vtdense_backbone" not in obj:
+        raise CheckpointError(f"{path} was not written by vtdense.save_backbone; use load_pretrained on a created backbone")
+    config = dict(obj["vtdense_backbone"])
+    name = config.pop("name")
+    model = create_backbone(name, **{**config, **overrides})
+    load_pretrained(model, obj["state_dict"])
+    return model

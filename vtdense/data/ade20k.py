@@ -36,6 +36,7 @@ from vtdense.data.synthetic_seg import generate_synthetic_segmentation
 
 __all__ = [
     "IGNORE_INDEX",
+    "ADE20K_NUM_CLASSES",
     "SegmentationFolder",
     "SegTrainTransform",
     "SegEvalTransform",
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 
 #: Label value of unlabelled / padded pixels.
 IGNORE_INDEX = 255
+#: Classes of ADE20K (SceneParsing, after ``reduce_zero_label``).
+ADE20K_NUM_CLASSES = 150
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 SYNTHETIC_NAME = "synthetic_ade20k_v1"
 
@@ -300,7 +303,8 @@ class ADE20KDataModule(L.LightningDataModule):
         root: dataset root holding ``images/{split}`` and ``annotations/{split}``. ``None`` uses
             :func:`default_ade20k_root`, falling back to a generated synthetic set when that is empty.
             An explicit root that does not exist is an error.
-        num_classes: classes after ``reduce_zero_label`` (150 for ADE20K).
+        num_classes: classes after ``reduce_zero_label``; ``None``: the line count of ``classes.txt`` in
+            the root when there is one (the synthetic set has one), else 150 (ADE20K).
         reduce_zero_label: label 0 -> ignore, ``k`` -> ``k - 1``.
         batch_size: training batch size per device.
         val_batch_size: validation batch size per device.
@@ -321,7 +325,7 @@ class ADE20KDataModule(L.LightningDataModule):
     def __init__(
         self,
         root: str | None = None,
-        num_classes: int = 150,
+        num_classes: int | None = None,
         reduce_zero_label: bool = True,
         batch_size: int = 2,
         val_batch_size: int = 1,
@@ -342,13 +346,13 @@ class ADE20KDataModule(L.LightningDataModule):
         synthetic_num_val: int = 24,
     ) -> None:
         super().__init__()
-        if num_classes < 1:
+        if num_classes is not None and num_classes < 1:
             raise ValueError(f"ADE20KDataModule: num_classes must be >= 1, got {num_classes}")
         if len(crop_size) != 2 or min(crop_size) < 1:
             raise ValueError(f"ADE20KDataModule: crop_size must be (h, w) with positive sizes, got {crop_size}")
         self.save_hyperparameters()
         self.root_arg = root
-        self.num_classes = num_classes
+        self._num_classes = num_classes
         self.batch_size = batch_size
         self.val_batch_size = val_batch_size
         self.num_workers = num_workers
@@ -393,14 +397,26 @@ class ADE20KDataModule(L.LightningDataModule):
             cache, num_train=self.hparams.synthetic_num_train, num_val=self.hparams.synthetic_num_val
         )
 
+    def _listed_classes(self) -> list[str] | None:
+        path = self.root / "classes.txt"
+        if not path.is_file():
+            return None
+        return [line.strip() for line in path.read_text().splitlines() if line.strip()]
+
+    @property
+    def num_classes(self) -> int:
+        """Class count: the ``num_classes`` argument, else ``classes.txt`` in the root, else 150."""
+        if self._num_classes is not None:
+            return self._num_classes
+        listed = self._listed_classes()
+        return len(listed) if listed else ADE20K_NUM_CLASSES
+
     @property
     def class_names(self) -> list[str]:
-        """Class names from ``classes.txt`` in the root when present, else ``class_<i>``."""
-        path = self.root / "classes.txt"
-        if path.is_file():
-            names = [line.strip() for line in path.read_text().splitlines() if line.strip()]
-            if len(names) == self.num_classes:
-                return names
+        """Class names from ``classes.txt`` in the root when it matches the count, else ``class_<i>``."""
+        listed = self._listed_classes()
+        if listed is not None and len(listed) == self.num_classes:
+            return listed
         return [f"class_{i}" for i in range(self.num_classes)]
 
     def prepare_data(self) -> None:

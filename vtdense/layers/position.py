@@ -15,6 +15,7 @@ __all__ = [
     "relative_position_index",
     "log_spaced_coords",
     "resize_bias_table",
+    "resize_rel_pos_table",
     "rel_pos_lookup",
     "decomposed_rel_pos_bias",
 ]
@@ -67,39 +68,87 @@ def resize_bias_table(table: Tensor, old_window: tuple[int, int], new_window: tu
     return grid.reshape(heads, -1).t().to(table.dtype).contiguous()
 
 
-def rel_pos_lookup(q_size: int, k_size: int, rel_pos: Tensor) -> Tensor:
-    """MViTv2 / ViTDet decomposed table lookup for one axis: ``(q_size, k_size, C)``.
+@functools.lru_cache(maxsize=256)
+def _decomposed_index(q_size: int, k_size: int, device: torch.device) -> Tensor:
+    with torch.inference_mode(False):
+        # A pooled (shorter) side is stretched so both sides are measured in the same units;
+        # the arithmetic is done in float32 and truncated, as in the reference implementations.
+        q_ratio = max(k_size / q_size, 1.0)
+        k_ratio = max(q_size / k_size, 1.0)
+        q_coords = torch.arange(q_size)[:, None] * q_ratio
+        k_coords = torch.arange(k_size)[None, :] * k_ratio
+        rel = (q_coords - k_coords) + (k_size - 1) * k_ratio
+        return rel.long().to(device)
 
-    The table is linearly interpolated when the query/key grid differs from the one it was made
-    for, and offsets are scaled so a pooled grid (smaller side) uses the right stride.
+
+def resize_rel_pos_table(rel_pos: Tensor, length: int) -> Tensor:
+    """Linearly resample a decomposed ``(L, C)`` table to ``(length, C)`` (identity if equal)."""
+    if rel_pos.shape[0] == length:
+        return rel_pos
+    grid = rel_pos.t()[None].float()  # 1, C, L
+    return F.interpolate(grid, size=length, mode="linear")[0].t().to(rel_pos.dtype)
+
+
+def rel_pos_lookup(
+    q_size: int, k_size: int, rel_pos: Tensor, grid: tuple[int, int] | None = None
+) -> Tensor:
+    """MViTv2 decomposed table lookup along one axis: ``(q_size, k_size, C)``.
+
+    Args:
+        q_size: query positions along the axis.
+        k_size: key positions along the axis (smaller than ``q_size`` for pooled keys).
+        rel_pos: ``(L, C)`` table. It is linearly resampled to ``2 * max(gq, gk) - 1`` rows when
+            its length differs (a grid other than the one it was made for).
+        grid: ``(gq, gk)`` grid the offsets are measured on, ``None`` = ``(q_size, k_size)``.
+            Smaller ``q_size``/``k_size`` take the top-left block of that grid's lookup: a window
+            clipped to a small map keeps the offsets (and values) of the full window.
+
+    Returns:
+        Table rows gathered for every (query, key) pair.
     """
-    span = int(2 * max(q_size, k_size) - 1)
-    if rel_pos.shape[0] != span:
-        rel_pos = (
-            F.interpolate(rel_pos.t()[None].float(), size=span, mode="linear")[0].t().to(rel_pos.dtype)
-        )
-    q_ratio = max(k_size / q_size, 1.0)
-    k_ratio = max(q_size / k_size, 1.0)
-    q_coords = torch.arange(q_size, device=rel_pos.device)[:, None] * q_ratio
-    k_coords = torch.arange(k_size, device=rel_pos.device)[None, :] * k_ratio
-    rel = (q_coords - k_coords) + (k_size - 1) * k_ratio
-    return rel_pos[rel.long()]
+    gq, gk = grid if grid is not None else (q_size, k_size)
+    if q_size > gq or k_size > gk:
+        raise ValueError(f"positions ({q_size}, {k_size}) exceed the lookup grid ({gq}, {gk})")
+    table = resize_rel_pos_table(rel_pos, 2 * max(gq, gk) - 1)
+    idx = _decomposed_index(int(gq), int(gk), table.device)
+    if (q_size, k_size) != (gq, gk):
+        idx = idx[:q_size, :k_size]
+    return table[idx]
 
 
 def decomposed_rel_pos_bias(
-    q: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, q_size: tuple[int, int], k_size: tuple[int, int]
+    q: Tensor,
+    rel_pos_h: Tensor,
+    rel_pos_w: Tensor,
+    q_size: tuple[int, int],
+    k_size: tuple[int, int],
+    grid: tuple[tuple[int, int], tuple[int, int]] | None = None,
 ) -> Tensor:
     """Additive attention term ``(..., Nq, Nk)`` from decomposed height/width tables.
 
+    The term for query ``(i, j)`` and key ``(m, n)`` is ``q_ij . (R_h[i, m] + R_w[j, n])``, added to
+    the logits before the softmax (MViTv2, Li et al. 2022, eq. 4).
+
     Args:
-        q: queries ``(..., Nq, C)`` with ``Nq = q_size[0] * q_size[1]`` (unscaled).
+        q: queries ``(..., Nq, C)`` with ``Nq = q_size[0] * q_size[1]``, row-major, *unscaled*.
+        rel_pos_h: ``(Lh, C)`` height table.
+        rel_pos_w: ``(Lw, C)`` width table.
+        q_size: query grid ``(h, w)``.
+        k_size: key grid ``(h, w)``.
+        grid: nominal ``(q_grid, k_grid)`` the offsets are measured on (a window that was clipped
+            to a smaller map); ``None`` = the actual grids. See :func:`rel_pos_lookup`.
+
+    Returns:
+        ``(..., Nq, Nk)`` with ``Nk = k_size[0] * k_size[1]``, row-major keys.
     """
     qh, qw = q_size
     kh, kw = k_size
-    Rh = rel_pos_lookup(qh, kh, rel_pos_h)  # qh, kh, C
-    Rw = rel_pos_lookup(qw, kw, rel_pos_w)  # qw, kw, C
+    gh = (grid[0][0], grid[1][0]) if grid is not None else None
+    gw = (grid[0][1], grid[1][1]) if grid is not None else None
+    r_h = rel_pos_lookup(qh, kh, rel_pos_h, gh).to(q.dtype)  # qh, kh, C
+    r_w = rel_pos_lookup(qw, kw, rel_pos_w, gw).to(q.dtype)  # qw, kw, C
     r_q = q.reshape(*q.shape[:-2], qh, qw, q.shape[-1])
-    bias_h = torch.einsum("...hwc,hkc->...hwk", r_q, Rh)
-    bias_w = torch.einsum("...hwc,wkc->...hwk", r_q, Rw)
+    bias_h = torch.einsum("...hwc,hkc->...hwk", r_q, r_h)
+    bias_w = torch.einsum("...hwc,wkc->...hwk", r_q, r_w)
     bias = bias_h[..., :, None] + bias_w[..., None, :]  # ..., qh, qw, kh, kw
     return bias.reshape(*q.shape[:-2], qh * qw, kh * kw)

@@ -132,6 +132,7 @@ class DetectionTask(LightningModule):
         fpn_channels: int = 256,
         slim_heads: bool = False,
         mask_head_channels: int | None = None,
+        mask_head_layers: int = 4,
         box_head_width: int | None = None,
         rois_per_image: int | None = None,
         anchor_sizes: list[float] | None = None,
@@ -162,6 +163,7 @@ class DetectionTask(LightningModule):
             fpn_channels: FPN channels.
             slim_heads: small R-CNN heads for CPU demos (see ``build_detector``).
             mask_head_channels: Mask R-CNN mask head channels (``None``: 256, or 64 when slim).
+            mask_head_layers: Mask R-CNN mask head convs (4 published).
             box_head_width: R-CNN box head width (``None``: 1024, or 256 when slim).
             rois_per_image: RoIs sampled per image for the R-CNN heads (``None``: 512, or 64 when slim).
             anchor_sizes: base anchor size per pyramid level (``None``: the head's default).
@@ -233,6 +235,7 @@ class DetectionTask(LightningModule):
             backbone_kwargs=hp["backbone_kwargs"],
             slim_heads=hp["slim_heads"],
             mask_head_channels=hp["mask_head_channels"],
+            mask_head_layers=hp["mask_head_layers"],
             box_head_width=hp["box_head_width"],
             rois_per_image=hp["rois_per_image"],
             anchor_sizes=hp["anchor_sizes"],

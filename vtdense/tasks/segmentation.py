@@ -105,7 +105,8 @@ class SegmentationTask(L.LightningModule):
         backbone: vtdense backbone name (``vtdense.list_backbones()``).
         backbone_kwargs: overrides for ``create_backbone`` (``window_size``, ``drop_path_rate``, ...).
         backbone_weights: local backbone checkpoint for ``vtdense.load_pretrained``.
-        num_classes: classes (after ``reduce_zero_label``).
+        num_classes: classes (after ``reduce_zero_label``); ``None`` takes the datamodule's
+            ``num_classes`` at setup (the model is then built in :meth:`setup`).
         arch_kwargs: extra arguments of the SMP model (``decoder_channels``, ...).
         encoder_depth: SMP encoder depth (5 uses all four backbone stages).
         ignore_index: label ignored by the loss and the metrics.
@@ -135,7 +136,7 @@ class SegmentationTask(L.LightningModule):
         backbone: str = "swinv2_tiny",
         backbone_kwargs: dict[str, Any] | None = None,
         backbone_weights: str | None = None,
-        num_classes: int = 150,
+        num_classes: int | None = None,
         arch_kwargs: dict[str, Any] | None = None,
         encoder_depth: int = 5,
         ignore_index: int = 255,
@@ -163,7 +164,7 @@ class SegmentationTask(L.LightningModule):
             raise ValueError(f"model.arch: unknown architecture {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
         if inference not in ("whole", "slide"):
             raise ValueError(f"model.inference must be 'whole' or 'slide', got {inference!r}")
-        if num_classes < 1:
+        if num_classes is not None and num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1, got {num_classes}")
         if aux_weight > 0 and encoder_depth < 4:
             raise ValueError(f"model.aux_weight > 0 needs backbone stage 3, i.e. encoder_depth >= 4 (got {encoder_depth})")
@@ -171,11 +172,26 @@ class SegmentationTask(L.LightningModule):
             raise ValueError(f"model.layer_decay must be in (0, 1], got {layer_decay}")
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
-        self.configure_models()
-        self.configure_losses()
-        self.configure_metrics()
         self._vis_count = 0
         self._class_names: list[str] | None = class_names
+        self.configure_losses()
+        if num_classes is not None:
+            self.configure_models()
+            self.configure_metrics()
+
+    def setup(self, stage: str) -> None:
+        """Build the model now if ``num_classes`` comes from the datamodule."""
+        if self.hparams.num_classes is not None:
+            return
+        dm = getattr(self.trainer, "datamodule", None)
+        n = getattr(dm, "num_classes", None)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(
+                "model.num_classes is None and the datamodule gives no num_classes; set model.num_classes"
+            )
+        self.hparams.num_classes = n  # saved in checkpoints, so load_from_checkpoint builds the same model
+        self.configure_models()
+        self.configure_metrics()
 
     # ------------------------------------------------------------------ build
     def configure_models(self) -> None:
