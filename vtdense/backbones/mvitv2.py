@@ -192,7 +192,7 @@ class MultiScaleAttention(nn.Module):
             out = out.view(B * h, Hq, Wq, d)
         if self.residual_pooling:
             out = out + q
-        out = out.view(B, h, Hq, Wq, d).permute(0, 2, 3, 1, 4).reshape(B, Hq, Wq, h * d)
+        out = out.reshape(B, h, Hq, Wq, d).permute(0, 2, 3, 1, 4).reshape(B, Hq, Wq, h * d)
         return self.proj(out)
 
 
