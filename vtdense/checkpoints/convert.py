@@ -10,6 +10,9 @@ One table of rules per format. Formats are detected from the keys, never from fi
 - ``torchvision``: ``torchvision.models.swin_t`` & co (``features.{k}...``).
 - ``mmdet`` / ``detectron2``: prefixes ``backbone.`` / ``backbone.bottom_up.`` and the output
   norms ``norm{i}``.
+- ``mvitv2``: timm names (``stages.{s}.blocks.{j}``); the original facebookresearch/mvit layout
+  (``model_state`` wrapper, flat ``blocks.{i}``, ``blocks.{i}.proj``) and detectron2
+  (``backbone.bottom_up.``, ``scale{k}_norm``), mapped onto stages through the depths.
 
 Wrappers (``model``, ``state_dict``, ``model_state``, ``module.``) are stripped first. Tables that
 depend on the window (V1 bias tables) are resized when the target window differs.
