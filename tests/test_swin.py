@@ -343,3 +343,17 @@ def test_save_and_load_backbone_round_trip(tmp_path) -> None:
     with pytest.raises(CheckpointError, match="save_backbone"):
         torch.save(model.state_dict(), tmp_path / "plain.pth")
         vtdense.load_backbone(tmp_path / "plain.pth")
+
+
+def test_v2_extra_main_branch_norm_every_n_blocks() -> None:
+    plain = vtdense.create_backbone("swinv2_tiny", **{**TINY, "depths": (2, 2, 6, 2)})
+    model = vtdense.create_backbone("swinv2_tiny", **{**TINY, "depths": (2, 2, 6, 2)}, extra_norm_every=3)
+    with_norm = [(i, j) for i, s in enumerate(model.layers) for j, b in enumerate(s.blocks) if b.norm3 is not None]
+    assert with_norm == [(2, 2), (2, 5)]
+    assert all(b.norm3 is None for s in plain.layers for b in s.blocks)
+    # the extra norm really sits on the main branch: its output is normalised per token
+    block = model.layers[2].blocks[2].eval()
+    with torch.no_grad():
+        y = block(torch.randn(1, 6, 6, 64) * 5)
+    assert torch.allclose(y.mean(-1), torch.zeros(1, 6, 6), atol=1e-5)
+    assert torch.allclose(y.std(-1, unbiased=False), torch.ones(1, 6, 6), atol=1e-3)
