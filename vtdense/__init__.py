@@ -5,6 +5,9 @@ from vtdense.checkpoints.convert import CheckpointError, load_backbone, load_pre
 
 __version__ = "0.1.0.dev0"
 
+# Registers every backbone as a segmentation-models-pytorch encoder "vtdense-<name>".
+import vtdense.models.segmentation  # noqa: E402,F401
+
 __all__ = [
     "Backbone",
     "CheckpointError",

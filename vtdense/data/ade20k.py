@@ -16,7 +16,6 @@ is empty it generates a small synthetic set in the same layout into
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -315,7 +314,7 @@ class ADE20KDataModule(L.LightningDataModule):
         cat_max_ratio: crop category-ratio cap (``1.0`` disables).
         flip_prob: horizontal flip probability.
         photometric: photometric jitter on/off.
-        eval_scale: evaluation rescale target; ``None`` means ``scale``, ``[]`` keeps original sizes.
+        eval_scale: evaluation rescale target (long, short); ``None`` means ``scale``.
         train_split / val_split: split folder names.
         img_dir / ann_dir: folder templates relative to ``root`` (``{split}`` substituted).
         ignore_index: label of ignored pixels.
@@ -360,10 +359,7 @@ class ADE20KDataModule(L.LightningDataModule):
         self.train_transform = SegTrainTransform(
             scale, ratio_range, crop_size, cat_max_ratio, flip_prob, photometric, ignore_index
         )
-        if eval_scale is not None and len(eval_scale) == 0:
-            self.eval_transform = SegEvalTransform(None)
-        else:
-            self.eval_transform = SegEvalTransform(eval_scale if eval_scale is not None else scale)
+        self.eval_transform = SegEvalTransform(eval_scale if eval_scale is not None else scale)
         self._root: Path | None = None
         self.train_dataset: SegmentationFolder | None = None
         self.val_dataset: SegmentationFolder | None = None

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import segmentation_models_pytorch as smp
-import torch
 from segmentation_models_pytorch.encoders import encoders as _SMP_ENCODERS
 from segmentation_models_pytorch.encoders._base import EncoderMixin
 from torch import Tensor, nn
@@ -157,8 +156,9 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
         self._weights = weights
         self._depth = depth
         self._output_stride = output_stride
-        if 2 <= depth < 5 and "out_indices" not in options:
-            options["out_indices"] = tuple(range(depth - 1))  # do not build stages SMP will not read
+        if 2 <= depth < 5 and "out_indices" not in options and weights is None:
+            # do not build stages SMP will not read (kept with weights, so checkpoints load strictly)
+            options["out_indices"] = tuple(range(depth - 1))
         self.backbone = self._build_backbone(options)
         self._in_channels = int(getattr(self.backbone, "in_chans", 3))
         self._out_channels = [self._in_channels, 0, *[int(c) for c in self.backbone.out_channels]][: depth + 1]

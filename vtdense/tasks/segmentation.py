@@ -309,7 +309,7 @@ class SegmentationTask(L.LightningModule):
             logs["train/loss_aux"] = loss_aux
         self.log_dict(logs, batch_size=n)
         self.log("train/loss", loss, batch_size=n, prog_bar=True)
-        self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"], batch_size=n, prog_bar=True)
+        self.log("lr", max(g["lr"] for g in self.trainer.optimizers[0].param_groups), batch_size=n, prog_bar=True)
         return loss
 
     def configure_optimizers(self) -> dict[str, Any]:

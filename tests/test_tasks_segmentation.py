@@ -1,0 +1,158 @@
+"""SegmentationTask: training reduces the loss, metrics match hand computation, outputs, inference, optimiser."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from PIL import Image
+from torch.utils.data import DataLoader
+
+from vtdense.data.ade20k import seg_collate
+from vtdense.tasks.segmentation import SegmentationTask, color_palette, layer_ids
+
+TINY_SWINV2 = dict(embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8), window_size=4)
+
+
+def _task(**kw) -> SegmentationTask:
+    args = dict(
+        backbone="swinv2_tiny",
+        backbone_kwargs=TINY_SWINV2,
+        num_classes=3,
+        arch_kwargs={"decoder_channels": 16},
+        aux_channels=16,
+        warmup_steps=0,
+        num_vis=2,
+    )
+    args.update(kw)
+    return SegmentationTask(**args)
+
+
+def _trainer(tmp_path: Path, **kw) -> L.Trainer:
+    args = dict(
+        accelerator="cpu",
+        default_root_dir=tmp_path,
+        logger=L.pytorch.loggers.CSVLogger(tmp_path),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    args.update(kw)
+    return L.Trainer(**args)
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.losses.append(float(outputs["loss"]))
+
+
+def test_training_steps_reduce_the_loss(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    # one fixed batch: left half class 0 (dark), right half class 1 (bright), a class-2 square, ignored border
+    image = torch.zeros(3, 64, 64)
+    image[:, :, 32:] = 0.9
+    image[1, 20:40, 10:30] = 0.6
+    mask = torch.zeros(64, 64, dtype=torch.long)
+    mask[:, 32:] = 1
+    mask[20:40, 10:30] = 2
+    mask[:2] = 255
+    sample = {"image": image, "mask": mask, "image_size": (64, 64)}
+    loader = DataLoader([sample] * 16, batch_size=2, collate_fn=seg_collate)
+    task = _task(lr=2e-3)
+    record = _Losses()
+    trainer = _trainer(tmp_path, max_steps=8, limit_val_batches=0, callbacks=[record], enable_checkpointing=False)
+    trainer.fit(task, train_dataloaders=loader)
+    assert len(record.losses) == 8
+    assert np.mean(record.losses[-2:]) < 0.7 * record.losses[0], record.losses
+    # the aux head was trained too
+    assert task.aux_head is not None and trainer.logged_metrics["train/loss_aux"] > 0
+
+
+def _handmade_batch() -> dict[str, torch.Tensor]:
+    mask = torch.tensor([[0, 0, 1, 1], [2, 2, 255, 255]])
+    return seg_collate([{"image": torch.rand(3, 2, 4), "mask": mask, "image_size": (2, 4)}])
+
+
+PRED = torch.tensor([[0, 1, 1, 1], [2, 0, 0, 1]])
+
+
+def test_miou_equals_hand_computation(tmp_path: Path) -> None:
+    task = _task(num_classes=4, aux_weight=0.0)
+    # replace the network by a fixed prediction (one-hot logits of PRED)
+    task.forward = lambda image: F.one_hot(PRED, 4).permute(2, 0, 1)[None].float().expand(image.shape[0], -1, -1, -1)
+    loader = DataLoader([_handmade_batch()], batch_size=None)
+    trainer = _trainer(tmp_path)
+    metrics = trainer.validate(task, dataloaders=loader, verbose=False)[0]
+    # valid pixels (target != 255): targets 0 0 1 1 2 2, predictions 0 1 1 1 2 0
+    # class 0: tp 1, fp 1, fn 1 -> 1/3; class 1: tp 2, fp 1, fn 0 -> 2/3; class 2: tp 1, fp 0, fn 1 -> 1/2
+    # class 3 is absent from target and prediction: left out of the mean (as mmseg does)
+    by_hand = (1 / 3 + 2 / 3 + 1 / 2) / 3
+    assert metrics["val/mIoU"] == pytest.approx(by_hand, abs=1e-6)
+    assert metrics["val/aAcc"] == pytest.approx(4 / 6, abs=1e-6)
+    assert metrics["val/IoU.class_1"] == pytest.approx(2 / 3, abs=1e-6)
+    out = json.loads((Path(trainer.log_dir) / "metrics.json").read_text())
+    assert out["mIoU"] == pytest.approx(by_hand, abs=1e-6)
+    assert out["per_class_iou"]["class_0"] == pytest.approx(1 / 3, abs=1e-6)
+    assert out["per_class_iou"]["class_3"] is None
+    # the visualisation: image | ground truth | prediction, colourised with the palette
+    panel = np.asarray(Image.open(Path(trainer.log_dir) / "predictions" / "val_000.png"))
+    assert panel.shape == (2, 12, 3)
+    palette = color_palette(4)
+    np.testing.assert_array_equal(panel[:, 8:], palette[PRED.numpy()])
+    np.testing.assert_array_equal(panel[1, 6:8], 0)  # ignored ground truth is black
+
+
+def test_sliding_window_matches_whole_image_for_a_pointwise_model() -> None:
+    task = _task(num_classes=4, inference="slide", slide_crop=(16, 24), slide_stride=(10, 13), aux_weight=0.0).eval()
+    # a per-pixel "network": sliding windows must stitch to exactly the whole-image result
+    task._logits = lambda x, with_aux=False: (torch.cat([x, x.sum(1, keepdim=True)], 1), None)
+    image = torch.rand(2, 3, 37, 50)
+    x = task.normalize(image)
+    slide = task(image)
+    whole = torch.cat([x, x.sum(1, keepdim=True)], 1)
+    assert slide.shape == (2, 4, 37, 50)
+    torch.testing.assert_close(slide, whole)
+
+
+def test_whole_inference_handles_any_size() -> None:
+    task = _task(aux_weight=0.4).eval()
+    with torch.no_grad():
+        assert task(torch.rand(1, 3, 45, 70)).shape == (1, 3, 45, 70)
+
+
+def test_optimizer_groups_and_layer_decay() -> None:
+    task = _task(layer_decay=0.5, lr=1e-3, weight_decay=0.05)
+    ids, top = layer_ids(task.model.encoder.backbone)
+    assert top == 5  # 4 blocks + 1
+    assert all(v == 0 for k, v in ids.items() if k.startswith("patch_embed."))
+    assert all(v == top for k, v in ids.items() if k.startswith("out_norms."))
+    optimizer = task.configure_optimizers()["optimizer"]
+    lr_of, wd_of, ndim = {}, {}, {}
+    for g in optimizer.param_groups:
+        for n, p in zip(g["param_names"], g["params"]):
+            lr_of[n], wd_of[n], ndim[n] = g["lr"], g["weight_decay"], p.ndim
+    assert len(lr_of) == sum(1 for p in task.parameters() if p.requires_grad)
+    pe = next(n for n in lr_of if n.startswith("model.encoder.backbone.patch_embed") and n.endswith("weight"))
+    assert lr_of[pe] == pytest.approx(1e-3 * 0.5**5)
+    head = next(n for n in lr_of if n.startswith("model.segmentation_head") and n.endswith("weight"))
+    assert lr_of[head] == pytest.approx(1e-3)
+    assert wd_of[head] == 0.05
+    assert all(wd_of[n] == 0.0 for n in lr_of if ndim[n] == 1 or "cpb_mlp" in n or "logit_scale" in n)
+    assert sum(1 for n in lr_of if wd_of[n] == 0.0) < len(lr_of)
+
+
+def test_bad_options_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="model.arch: unknown architecture 'segnet'.*upernet"):
+        _task(arch="segnet")
+    with pytest.raises(ValueError, match="model.inference must be 'whole' or 'slide'"):
+        _task(inference="tiles")
+    with pytest.raises(ValueError, match="encoder_depth >= 4"):
+        _task(encoder_depth=3, aux_weight=0.4)
