@@ -106,7 +106,7 @@ def run_recipe(
 
     ckpt_path: str | None = None
     callback = trainer.checkpoint_callback
-    if isinstance(callback, ModelCheckpoint):
+    if isinstance(callback, ModelCheckpoint) and not trainer.fast_dev_run:
         best = callback.best_model_path or callback.last_model_path
         if best and os.path.isfile(best):
             ckpt_path = best

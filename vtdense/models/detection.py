@@ -19,7 +19,6 @@ import math
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
-import torch
 from torch import Tensor, nn
 from torchvision.models.detection import FCOS, FasterRCNN, MaskRCNN, RetinaNet
 from torchvision.models.detection.anchor_utils import AnchorGenerator

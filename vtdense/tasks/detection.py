@@ -21,6 +21,7 @@ in original coordinates.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -65,7 +66,14 @@ METRIC_NAMES: dict[str, str] = {
     "mar_100": "mAR100",
 }
 
-_MASK_CHUNK = 16  # detections whose masks are upsampled together
+#: pycocotools' default IoU (0.50:0.05:0.95) and recall (0:0.01:1) thresholds, in float64.
+COCO_IOU_THRESHOLDS: list[float] = np.linspace(0.5, 0.95, 10).tolist()
+COCO_REC_THRESHOLDS: list[float] = np.linspace(0.0, 1.0, 101).tolist()
+
+_MASK_CHUNK = 16
+_VIS_MIN_SIDE = 384  # drawn predictions are upscaled to at least this long side
+#: target keys the detector needs on the accelerator; the rest stays on the CPU for the metric.
+_DEVICE_TARGET_KEYS: frozenset[str] = frozenset({"boxes", "labels", "masks"})  # detections whose masks are upsampled together
 
 
 def _as_label_map(value: Any) -> dict[int, int]:
@@ -127,6 +135,7 @@ class DetectionTask(LightningModule):
         self,
         backbone: str = "swin_tiny",
         backbone_kwargs: dict[str, Any] | None = None,
+        backbone_weights: str | None = None,
         head: str = "mask_rcnn",
         num_classes: int | None = None,
         fpn_channels: int = 256,
@@ -157,6 +166,8 @@ class DetectionTask(LightningModule):
             backbone: registered backbone name (``vtdense.list_backbones()``), e.g. ``swin_tiny``.
             backbone_kwargs: ``create_backbone`` overrides (``embed_dim``, ``depths``,
                 ``drop_path_rate``, ``window_size``, ...).
+            backbone_weights: local checkpoint of the backbone (any format ``vtdense.load_pretrained``
+                reads: timm, official, torchvision, ...), loaded when fitting starts; never downloaded.
             head: ``mask_rcnn``, ``faster_rcnn``, ``retinanet`` or ``fcos``.
             num_classes: object classes (background excluded); ``None`` takes the datamodule's
                 ``num_classes`` in ``setup``.
@@ -197,6 +208,11 @@ class DetectionTask(LightningModule):
                 f"unknown metric_backend {metric_backend!r} (option 'metric_backend'); "
                 f"choose one of {', '.join(METRIC_BACKENDS)}"
             )
+        if metric_backend == "faster_coco_eval" and importlib.util.find_spec("faster_coco_eval") is None:
+            raise ValueError(
+                "metric_backend='faster_coco_eval' needs the faster-coco-eval package "
+                "(pip install 'vtdense[fast-eval]'); or use metric_backend='pycocotools'"
+            )
         from vtdense.backbones import list_backbones
 
         if backbone not in list_backbones():
@@ -211,9 +227,11 @@ class DetectionTask(LightningModule):
         self.model: nn.Module | None = None
         self.val_metrics: MeanAveragePrecision | None = None
         self.test_metrics: MeanAveragePrecision | None = None
-        self._results: dict[str, list[dict[str, Any]]] = {}
+        # iou type -> image id -> COCO result records (keyed by image so DDP padding duplicates collapse)
+        self._results: dict[str, dict[int, list[dict[str, Any]]]] = {}
         self._vis: list[tuple[int, Tensor]] = []
         self._num_eval_images = 0
+        self._backbone_loaded = False
         if num_classes is not None:
             self.configure_models()
             self.configure_metrics()
@@ -247,7 +265,14 @@ class DetectionTask(LightningModule):
     def configure_metrics(self) -> None:
         """COCO mAP metrics for validation and test."""
         iou = self.iou_types
-        kwargs = dict(iou_type=iou if len(iou) > 1 else iou[0], backend=METRIC_BACKENDS[self.hparams["metric_backend"]])
+        kwargs = dict(
+            iou_type=iou if len(iou) > 1 else iou[0],
+            backend=METRIC_BACKENDS[self.hparams["metric_backend"]],
+            # pycocotools' float64 thresholds: torchmetrics' defaults come from a float32 linspace
+            # (0.30000001 instead of 0.3), which shifts recall cut-offs and changes mAP slightly.
+            iou_thresholds=COCO_IOU_THRESHOLDS,
+            rec_thresholds=COCO_REC_THRESHOLDS,
+        )
         self.val_metrics = MeanAveragePrecision(**kwargs)
         self.test_metrics = MeanAveragePrecision(**kwargs)
 
@@ -272,6 +297,12 @@ class DetectionTask(LightningModule):
         if self.model is None:
             self.configure_models()
             self.configure_metrics()
+        weights = self.hparams["backbone_weights"]
+        if stage == "fit" and weights is not None and not self._backbone_loaded:
+            from vtdense.checkpoints.convert import load_pretrained
+
+            load_pretrained(self._detector.backbone.body, weights)
+            self._backbone_loaded = True
 
     def configure_callbacks(self) -> list[Callback]:
         """Keep the last checkpoint and the best one by ``val/bbox_mAP``."""
@@ -368,6 +399,22 @@ class DetectionTask(LightningModule):
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=bs)
         return loss
 
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """Move images and training targets; keep evaluation-only ground truth (``orig_*``) on the CPU."""
+        if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], (list, tuple)):
+            images, targets = batch
+            images = [img.to(device) for img in images]
+            moved = []
+            for t in targets:
+                if isinstance(t, Mapping):
+                    t = {
+                        k: (v.to(device) if isinstance(v, Tensor) and k in _DEVICE_TARGET_KEYS else v)
+                        for k, v in t.items()
+                    }
+                moved.append(t)
+            return images, moved
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     # ------------------------------------------------------------------ evaluation
     def _category_ids(self, labels: Tensor) -> Tensor:
         if not self.label_to_category_id:
@@ -430,26 +477,37 @@ class DetectionTask(LightningModule):
         xywh = box_convert(pred["boxes"], "xyxy", "xywh").tolist()
         cats = pred["category_ids"].tolist()
         scores = pred["scores"].tolist()
-        bbox = self._results.setdefault("bbox", [])
+        bbox = self._results.setdefault("bbox", {}).setdefault(image_id, [])
         for b, c, s in zip(xywh, cats, scores):
             bbox.append({"image_id": image_id, "category_id": int(c), "bbox": [float(v) for v in b], "score": float(s)})
         if "masks" in pred and "segm" in self.iou_types:
-            segm = self._results.setdefault("segm", [])
+            segm = self._results.setdefault("segm", {}).setdefault(image_id, [])
             for rle, c, s in zip(_rle_encode(pred["masks"]), cats, scores):
                 segm.append({"image_id": image_id, "category_id": int(c), "segmentation": rle, "score": float(s)})
 
     def _draw(self, image: Tensor, det: dict[str, Tensor]) -> Tensor:
-        """Draw detections (resized coordinates) over the model input; uint8 ``[3, h, w]``."""
-        keep = det["scores"] >= self.hparams["vis_score_thresh"]
-        canvas = (image.detach().float().clamp(0, 1) * 255).to(torch.uint8).cpu()
+        """Draw detections (resized coordinates) over the model input; uint8 ``[3, s*h, s*w]``.
+
+        Small images are upscaled by an integer factor ``s`` so labels stay legible.
+        """
+        keep = (det["scores"] >= self.hparams["vis_score_thresh"]).cpu()
+        h, w = image.shape[-2:]
+        scale = max(1, math.ceil(_VIS_MIN_SIDE / max(h, w)))
+        canvas = image.detach().float().clamp(0, 1).cpu()
+        if scale > 1:
+            canvas = F.interpolate(canvas[None], scale_factor=scale, mode="nearest")[0]
+        canvas = (canvas * 255).to(torch.uint8)
         if "masks" in det and keep.any():
-            masks = det["masks"][keep][:, 0].gt(0.5).cpu()
-            canvas = draw_segmentation_masks(canvas, masks, alpha=0.45)
+            masks = det["masks"].detach().float().cpu()[keep]
+            if scale > 1:
+                masks = F.interpolate(masks, scale_factor=scale, mode="bilinear", align_corners=False)
+            canvas = draw_segmentation_masks(canvas, masks[:, 0].gt(0.5), alpha=0.45)
         if keep.any():
-            labels = det["labels"][keep].tolist()
-            scores = det["scores"][keep].tolist()
+            labels = det["labels"].cpu()[keep].tolist()
+            scores = det["scores"].cpu()[keep].tolist()
             text = [f"{self.category_names.get(int(lab), str(int(lab)))} {s:.2f}" for lab, s in zip(labels, scores)]
-            canvas = draw_bounding_boxes(canvas, det["boxes"][keep].float().cpu(), labels=text, colors="yellow", width=1)
+            boxes = det["boxes"].detach().float().cpu()[keep] * scale
+            canvas = draw_bounding_boxes(canvas, boxes, labels=text, colors="yellow", width=2)
         return canvas
 
     def _eval_step(self, batch: tuple[list[Tensor], list[dict[str, Any]]], metric: MeanAveragePrecision | None) -> None:
@@ -488,12 +546,13 @@ class DetectionTask(LightningModule):
         self._results, self._vis, self._num_eval_images = {}, [], 0
         return logs
 
-    def _gather(self, items: list[Any]) -> list[Any]:
+    def _gather(self, items: Any) -> list[Any]:
+        """All ranks' ``items`` (lists are concatenated, dicts merged), for writing on rank 0."""
         if self.trainer.world_size <= 1 or not torch.distributed.is_initialized():
-            return items
+            return [items]
         parts: list[Any] = [None] * self.trainer.world_size
         torch.distributed.all_gather_object(parts, items)
-        return [x for part in parts for x in part]
+        return parts
 
     def run_dir(self) -> Path:
         """Where outputs go: the trainer's ``log_dir`` (or ``default_root_dir``)."""
@@ -501,8 +560,13 @@ class DetectionTask(LightningModule):
         return Path(log_dir if log_dir is not None else self.trainer.default_root_dir)
 
     def _write_outputs(self, prefix: str) -> None:
-        results = {k: self._gather(v) for k, v in sorted(self._results.items())}
-        vis = self._gather(self._vis)
+        results: dict[str, list[dict[str, Any]]] = {}
+        for iou in self.iou_types:
+            merged: dict[int, list[dict[str, Any]]] = {}
+            for part in self._gather(self._results.get(iou, {})):
+                merged.update(part)
+            results[iou] = [r for image_id in sorted(merged) for r in merged[image_id]]
+        vis = [v for part in self._gather(self._vis) for v in part][: self.hparams["num_vis_images"]]
         if not self.trainer.is_global_zero:
             return
         out = self.run_dir()

@@ -1,0 +1,304 @@
+"""Tests for vtdense.tasks.detection.DetectionTask: training, COCO evaluation, outputs, predict."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+from torch import Tensor, nn
+
+from vtdense.data.coco import COCODataModule
+from vtdense.data.synthetic import make_synthetic_coco
+from vtdense.tasks.detection import DetectionTask
+
+TINY = dict(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=4)
+SLIM = dict(fpn_channels=32, slim_heads=True, mask_head_channels=16, mask_head_layers=1, box_head_width=64)
+
+
+@pytest.fixture(scope="module")
+def coco_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """8 train / 6 val images of 64-96 px, 2 classes (category ids 1 and 3), crowd annotations."""
+    root = tmp_path_factory.mktemp("det") / "coco"
+    return make_synthetic_coco(root, num_train=8, num_val=6, size_range=(64, 96), num_classes=2, with_crowd=True)
+
+
+def datamodule(root: Path, **kwargs: Any) -> COCODataModule:
+    # images are 64-96 px: test_scale 100 rescales every one, so predictions must be mapped back.
+    opts = dict(root=str(root), batch_size=2, num_workers=0, train_scales=(80,), max_size=160, test_scale=100)
+    opts.update(kwargs)
+    return COCODataModule(**opts)
+
+
+def trainer(tmp_path: Path, **kwargs: Any) -> L.Trainer:
+    opts = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=CSVLogger(str(tmp_path), name="run"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=str(tmp_path),
+    )
+    opts.update(kwargs)
+    return L.Trainer(**opts)
+
+
+class Oracle(nn.Module):
+    """Stands in for the detector in eval: returns the (resized-coordinate) ground truth, jittered,
+    with random scores, plus a false positive per image, so mAP is high but not 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets: list[dict[str, Any]] = []
+        self.gen = torch.Generator().manual_seed(0)
+
+    def forward(self, images: list[Tensor], targets: Any = None) -> list[dict[str, Tensor]]:
+        out = []
+        for img, t in zip(images, self.targets):
+            h, w = img.shape[-2:]
+            boxes = t["boxes"].clone() + torch.randn(t["boxes"].shape, generator=self.gen) * 1.5
+            fp = torch.tensor([[0.0, 0.0, w / 3, h / 3]])
+            boxes = torch.cat([boxes, fp]).clamp(min=0)
+            labels = torch.cat([t["labels"], torch.tensor([1])])
+            scores = torch.rand(len(boxes), generator=self.gen)
+            masks = torch.cat([t["masks"].float(), torch.zeros(1, h, w)])[:, None]
+            out.append({"boxes": boxes, "labels": labels, "scores": scores, "masks": masks})
+        return out
+
+
+def oracle_task(**kwargs: Any) -> tuple[DetectionTask, Oracle]:
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, head="mask_rcnn", num_classes=2, **SLIM, **kwargs)
+    oracle = Oracle()
+    task.model = oracle
+    for name in ("validation_step", "test_step", "predict_step"):
+        original = getattr(task, name)
+
+        def step(batch: Any, batch_idx: int, _original: Any = original) -> Any:
+            oracle.targets = batch[1]
+            return _original(batch, batch_idx)
+
+        setattr(task, name, step)
+    return task, oracle
+
+
+def cocoeval_stats(coco_gt: COCO, results: Path, iou_type: str) -> np.ndarray:
+    with contextlib.redirect_stdout(io.StringIO()):
+        dets = coco_gt.loadRes(str(results))
+        ev = COCOeval(coco_gt, dets, iou_type)
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    return ev.stats
+
+
+def test_validation_metrics_match_pycocotools_on_written_results(coco_root: Path, tmp_path: Path) -> None:
+    task, _ = oracle_task()
+    dm = datamodule(coco_root)
+    tr = trainer(tmp_path)
+    (metrics,) = tr.validate(task, datamodule=dm, verbose=False)
+    run = Path(tr.log_dir)
+    # Predictions mapped back to original coordinates score high; a wrong rescale would not.
+    assert 0.5 < metrics["val/bbox_mAP"] < 1.0
+    assert 0.5 < metrics["val/segm_mAP"] < 1.0
+    for key in ("mAP50", "mAP75", "mAP_s", "mAP_m", "mAP_l", "mAR100"):
+        assert f"val/bbox_{key}" in metrics and f"val/segm_{key}" in metrics
+
+    coco_gt = COCO(str(dm.paths["val"][0]))
+    bbox = json.loads((run / "bbox.json").read_text())
+    assert {d["category_id"] for d in bbox} <= {1, 3}  # COCO ids, not contiguous labels
+    assert {d["image_id"] for d in bbox} <= set(coco_gt.getImgIds())
+    for iou in ("bbox", "segm"):
+        stats = cocoeval_stats(coco_gt, run / f"{iou}.json", iou)
+        assert abs(stats[0] - metrics[f"val/{iou}_mAP"]) < 1e-6
+        assert abs(stats[1] - metrics[f"val/{iou}_mAP50"]) < 1e-6
+        assert abs(stats[2] - metrics[f"val/{iou}_mAP75"]) < 1e-6
+        assert abs(stats[8] - metrics[f"val/{iou}_mAR100"]) < 1e-6
+    pngs = sorted((run / "predictions").glob("*.png"))
+    assert len(pngs) == 4
+    # test split writes its own files
+    tr.test(task, datamodule=dm, verbose=False)
+    assert (run / "test_bbox.json").is_file() and (run / "test_segm.json").is_file()
+
+
+def test_predict_returns_original_coordinates(coco_root: Path, tmp_path: Path) -> None:
+    task, _ = oracle_task()
+    dm = datamodule(coco_root)
+    tr = trainer(tmp_path)
+    preds = tr.predict(task, datamodule=dm)
+    dm.setup("validate")
+    val = dm.val_dataset
+    n = 0
+    for batch_preds, idx in zip(preds, range(0, len(val), 2)):
+        for j, pred in enumerate(batch_preds):
+            image, target = val[idx + j]
+            h0, w0 = target["orig_size"]
+            assert image.shape[-2:] != (h0, w0)  # the model saw a resized image
+            k = len(target["orig_boxes"])
+            # the oracle returned jittered resized GT boxes: mapped back they land on the original boxes
+            assert torch.allclose(pred["boxes"][:k], target["orig_boxes"], atol=8.0)
+            assert pred["masks"].shape == (k + 1, h0, w0) and pred["masks"].dtype == torch.bool
+            if k:
+                iou = (pred["masks"][:k] & target["orig_masks"]).sum((1, 2)) / (
+                    pred["masks"][:k] | target["orig_masks"]
+                ).sum((1, 2))
+                assert iou.min() > 0.7
+            assert pred["category_ids"].tolist() == [{1: 1, 2: 3}[int(v)] for v in pred["labels"]]
+            n += 1
+    assert n == len(val)
+
+
+def test_predict_matches_manual_rescale_with_real_model(coco_root: Path) -> None:
+    torch.manual_seed(0)
+    task = DetectionTask(
+        backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, score_thresh=0.0, **SLIM
+    ).eval()
+    image = torch.rand(3, 60, 90)
+    target = {"orig_size": (120, 135)}
+    with torch.no_grad():
+        (pred,) = task.predict_step(([image], [target]), 0)
+        (raw,) = task.model([image])
+    assert len(raw["boxes"]) > 0
+    expected = raw["boxes"] * torch.tensor([135 / 90, 120 / 60, 135 / 90, 120 / 60])
+    assert torch.allclose(pred["boxes"], expected.clamp(min=0), atol=1e-4)
+    assert pred["masks"].shape == (len(raw["boxes"]), 120, 135)
+    assert torch.equal(pred["scores"], raw["scores"])
+
+
+class FixedOrderCOCO(COCODataModule):
+    """Unshuffled training batches, so every epoch of one batch sees the same images."""
+
+    def train_dataloader(self) -> Any:
+        return self._loader(self.train_dataset, False, "train")
+
+
+def test_fit_reduces_loss_and_uses_datamodule_classes(coco_root: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    task = DetectionTask(
+        backbone="swin_tiny",
+        backbone_kwargs=TINY,
+        head="faster_rcnn",
+        num_classes=None,  # taken from the datamodule
+        lr=2e-3,
+        warmup_steps=2,
+        lr_schedule="step",
+        lr_milestones=[4.4],
+        **SLIM,
+    )
+    dm = FixedOrderCOCO(
+        root=str(coco_root), batch_size=2, num_workers=0, train_scales=(80,), max_size=160, test_scale=100, flip_prob=0.0
+    )
+
+    class Record(L.Callback):
+        """Record each step's loss and the lr it used."""
+
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.lrs: list[float] = []
+
+        def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int) -> None:
+            self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+        def on_train_batch_end(
+            self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, idx: int
+        ) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+    cb = Record()
+    tr = trainer(tmp_path, max_epochs=6, limit_train_batches=1, limit_val_batches=1, callbacks=[cb], log_every_n_steps=1)
+    tr.fit(task, datamodule=dm)
+    assert task.hparams["num_classes"] == 2
+    assert min(cb.losses[3:]) < 0.95 * cb.losses[0], cb.losses
+    # linear warmup over 2 steps from lr * 1e-3, then x0.1 at epoch 4.4 -> step 4 (1 step per epoch)
+    assert cb.lrs == pytest.approx([2e-6, 2e-3 * 0.5005, 2e-3, 2e-3, 2e-4, 2e-4])
+    logged = tr.logged_metrics
+    for key in ("train/loss", "train/loss_classifier", "train/loss_box_reg", "train/loss_objectness", "val/bbox_mAP"):
+        assert key in logged, key
+    ckpt_dir = Path(tr.checkpoint_callback.dirpath)
+    names = sorted(p.name for p in ckpt_dir.glob("*.ckpt"))
+    assert "last.ckpt" in names and any(p.startswith("best-epoch") for p in names), names
+    # the checkpoint restores with the resolved class count and category table
+    restored = DetectionTask.load_from_checkpoint(ckpt_dir / "last.ckpt")
+    assert restored.hparams["num_classes"] == 2 and restored.label_to_category_id == {1: 1, 2: 3}
+
+
+def test_optimizer_groups_skip_decay_on_norms_biases_and_tables() -> None:
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, weight_decay=0.05, **SLIM)
+
+    class FakeTrainer:
+        estimated_stepping_batches = 100
+        num_training_batches = 10
+        accumulate_grad_batches = 1
+
+    task._trainer = FakeTrainer()  # type: ignore[assignment]
+    conf = task.configure_optimizers()
+    opt = conf["optimizer"]
+    decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    names = {id(p): n for n, p in task.model.named_parameters()}
+    assert decay, "some parameters must decay"
+    for pid, name in names.items():
+        no_decay = name.endswith(".bias") or "norm" in name or "relative_position_bias_table" in name
+        if no_decay:
+            assert pid not in decay, name
+    assert conf["lr_scheduler"]["interval"] == "step"
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("head", "yolo", r"unknown head 'yolo' \(option 'head'\); choose one of faster_rcnn, fcos, mask_rcnn, retinanet"),
+        ("backbone", "resnet50", r"unknown backbone 'resnet50' \(option 'backbone'\).*swin_tiny"),
+        ("lr_schedule", "linear", r"unknown lr_schedule 'linear' \(option 'lr_schedule'\)"),
+        ("metric_backend", "cocoapi", r"unknown metric_backend 'cocoapi' \(option 'metric_backend'\)"),
+        ("num_classes", 0, "num_classes must be >= 1"),
+    ],
+)
+def test_bad_options_raise(option: str, value: Any, message: str) -> None:
+    kwargs: dict[str, Any] = dict(backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2)
+    kwargs[option] = value
+    with pytest.raises(ValueError, match=message):
+        DetectionTask(**kwargs)
+
+
+def test_backbone_weights_loaded_when_fitting_starts(tmp_path: Path) -> None:
+    from vtdense import CheckpointError, create_backbone
+
+    torch.manual_seed(1)
+    source = create_backbone("swin_tiny", **TINY)
+    torch.save(source.state_dict(), tmp_path / "backbone.pth")
+    task = DetectionTask(
+        backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, backbone_weights=str(tmp_path / "backbone.pth"), **SLIM
+    )
+    body = task.model.backbone.body
+    key = next(k for k in source.state_dict() if k.endswith("weight"))
+    assert not torch.equal(body.state_dict()[key], source.state_dict()[key])
+    task.setup("fit")
+    for name, value in source.state_dict().items():
+        assert torch.equal(body.state_dict()[name], value), name
+    missing = DetectionTask(
+        backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, backbone_weights=str(tmp_path / "nope.pth"), **SLIM
+    )
+    with pytest.raises(CheckpointError, match="nope.pth"):
+        missing.setup("fit")
+
+
+def test_bf16_mixed_fit_and_validate(coco_root: Path, tmp_path: Path) -> None:
+    """Mixed precision end to end: autocast backbone, fp32 box math, finite losses, metrics computed."""
+    torch.manual_seed(0)
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, score_thresh=0.0, **SLIM)
+    tr = trainer(
+        tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, precision="bf16-mixed", log_every_n_steps=1
+    )
+    tr.fit(task, datamodule=datamodule(coco_root))
+    assert torch.isfinite(tr.logged_metrics["train/loss"])
+    assert tr.logged_metrics["val/bbox_mAP"] >= 0.0
+    assert json.loads((Path(tr.log_dir) / "bbox.json").read_text())  # detections were written
