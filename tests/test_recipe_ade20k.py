@@ -49,7 +49,7 @@ def tiny_args(tmp_path: Path) -> list[str]:
     }
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
-    return ["--config", str(path)]
+    return ["--config", str(RECIPE.parent / "configs" / "ade20k_swinv2_demo.yaml"), "--config", str(path)]
 
 
 def test_recipe_fast_dev_run(tiny_args: list[str], capsys: pytest.CaptureFixture) -> None:
@@ -88,8 +88,9 @@ def test_published_command_line_is_valid(capsys: pytest.CaptureFixture) -> None:
         printed = yaml.safe_load(capsys.readouterr().out)
         assert str(printed["trainer"]["devices"]) == "8" and printed["trainer"]["precision"] == "bf16-mixed"
         assert printed["data"]["root"] == "/data/ade20k"
-    assert printed["model"]["lr"] == 6e-5 and printed["model"]["warmup_steps"] == 1500
-    assert printed["model"]["backbone_kwargs"]["drop_path_rate"] == 0.3
-    assert printed["trainer"]["max_steps"] == 160000
-    assert printed["data"]["crop_size"] == [512, 512]
-    assert printed["data"]["batch_size"] * int(printed["trainer"]["devices"]) == 16
+        # with or without --config, the command line of the issue is the published recipe
+        assert printed["model"]["lr"] == 6e-5 and printed["model"]["warmup_steps"] == 1500
+        assert printed["model"]["backbone_kwargs"]["drop_path_rate"] == 0.3
+        assert printed["trainer"]["max_steps"] == 160000
+        assert printed["data"]["crop_size"] == [512, 512]
+        assert printed["data"]["batch_size"] * int(printed["trainer"]["devices"]) == 16

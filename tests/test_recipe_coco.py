@@ -46,6 +46,7 @@ def coco_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_args(root: Path, out: Path) -> list[str]:
     """The demo config, shrunk: tiny Swin, tiny heads, 64 px images."""
     return [
+        f"--config={CONFIGS / 'coco_swin_demo.yaml'}",
         f"--data.root={root}",
         "--data.batch_size=2",
         "--data.num_workers=0",
@@ -154,3 +155,31 @@ def test_script_help_runs_standalone() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "--model.backbone" in proc.stdout and "--data.root" in proc.stdout and "--config" in proc.stdout
+
+
+def test_recipe_picks_published_config_when_data_is_given(recipe: ModuleType, coco_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from vtdense.cli import choose_config
+    from vtdense.data.coco import COCODataModule
+
+    monkeypatch.chdir(tmp_path)  # no data/coco here
+    monkeypatch.delenv("VTDENSE_DATA", raising=False)
+    pick = lambda args: choose_config(COCODataModule, args, recipe.DEFAULT_CONFIG, recipe.DEMO_CONFIG)  # noqa: E731
+    assert recipe.DEFAULT_CONFIG.name == "coco_swin_t_maskrcnn_1x.yaml"
+    assert pick([]) == recipe.DEMO_CONFIG
+    assert pick(["--trainer.max_epochs=1"]) == recipe.DEMO_CONFIG
+    assert pick(["--data.root", "/data/coco"]) == recipe.DEFAULT_CONFIG
+    assert pick(["--data.root=/data/coco", "--trainer.devices=8"]) == recipe.DEFAULT_CONFIG
+    assert pick(["--data.val_ann=x.json"]) == recipe.DEFAULT_CONFIG
+    assert pick(["--config=mine.yaml"]) is None  # the user's config is the whole base
+    assert pick(["--config", "mine.yaml", "--data.root=/x"]) is None
+    monkeypatch.setenv("VTDENSE_DATA", str(coco_root.parent))  # $VTDENSE_DATA/coco holds a dataset
+    assert pick([]) == recipe.DEFAULT_CONFIG
+
+
+def test_published_command_line_without_config_is_the_1x_recipe(recipe: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        recipe.main(["--data.root=/data/coco", "--trainer.devices=8", "--trainer.precision=bf16-mixed", "--print_config"])
+    assert exc.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "slim_heads: false" in printed and "fpn_channels: 256" in printed and "max_epochs: 12" in printed
+    assert "precision: bf16-mixed" in printed and "root: /data/coco" in printed

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-__all__ = ["VtdenseCLI", "run_dir", "format_metrics_table", "run_recipe"]
+__all__ = ["VtdenseCLI", "choose_config", "run_dir", "format_metrics_table", "run_recipe"]
 
 
 class VtdenseCLI(LightningCLI):
@@ -71,11 +73,38 @@ def format_metrics_table(metrics: dict[str, float], title: str = "final metrics"
     return "\n".join(lines)
 
 
+_DATA_FLAG = re.compile(r"--data\.(root|\w+_ann|\w+_images)(=|$)")
+
+
+def choose_config(
+    datamodule_cls: type[LightningDataModule], args: list[str], default_config: Path, demo_config: Path
+) -> Path | None:
+    """Which recipe config the command line builds on.
+
+    - ``None`` when the command line has ``--config``: the user's file is the whole base, so
+      nothing of another config leaks into it.
+    - ``demo_config`` when the command line names no data (``--data.root``, ``--data.*_ann``,
+      ``--data.*_images``) and the datamodule finds no dataset at its default location
+      (``datamodule_cls.default_data_found()``).
+    - ``default_config`` (the published recipe) otherwise.
+    """
+    if any(a == "--config" or a.startswith("--config=") for a in args):
+        return None
+    if any(_DATA_FLAG.match(a) for a in args):
+        return default_config
+    found = getattr(datamodule_cls, "default_data_found", None)
+    if found is not None and found():
+        return default_config
+    return demo_config
+
+
 def run_recipe(
     task_cls: type[LightningModule],
     datamodule_cls: type[LightningDataModule],
     default_config: str | Path | None = None,
     args: list[str] | None = None,
+    *,
+    demo_config: str | Path | None = None,
 ) -> dict[str, float]:
     """Parse the command line, fit, validate the best checkpoint and report its metrics.
 
@@ -85,6 +114,9 @@ def run_recipe(
         default_config: YAML file loaded before the command line (the recipe's defaults);
             ``--config other.yaml`` and individual flags override it.
         args: command-line arguments; ``None`` reads ``sys.argv``.
+        demo_config: a small CPU config used instead of ``default_config`` when the command line
+            names no data and none is found at the default location; with ``--config`` on the
+            command line neither is loaded (see :func:`choose_config`).
 
     Returns:
         The final validation metrics of the best checkpoint (last weights when no checkpoint
@@ -94,6 +126,13 @@ def run_recipe(
         FileNotFoundError: ``default_config`` does not exist.
     """
     parser_kwargs: dict[str, Any] = {}
+    if demo_config is not None and default_config is not None:
+        argv = sys.argv[1:] if args is None else list(args)
+        chosen = choose_config(datamodule_cls, argv, Path(default_config), Path(demo_config))
+        if chosen == Path(demo_config):
+            print(f"no dataset given or found: running the CPU demo ({Path(demo_config).name}); "
+                  f"pass --data.root for the published recipe ({Path(default_config).name})")
+        default_config = chosen
     if default_config is not None:
         default_config = Path(default_config)
         if not default_config.is_file():
@@ -122,8 +161,18 @@ def run_recipe(
     if trainer.is_global_zero:
         out_dir = run_dir(trainer)
         out_dir.mkdir(parents=True, exist_ok=True)
-        payload = {"checkpoint": ckpt_path, "metrics": metrics}
-        (out_dir / "metrics.json").write_text(json.dumps(payload, indent=2) + "\n")
+        path = out_dir / "metrics.json"
+        payload: dict[str, Any] = {}
+        if path.is_file():  # keep what the task wrote there (e.g. per-class IoU)
+            try:
+                payload = json.loads(path.read_text())
+            except ValueError:
+                payload = {}
+        # strict JSON: NaN (a class absent from the validation set) is written as null
+        payload.update({"checkpoint": ckpt_path, "metrics": {k: None if math.isnan(v) else v for k, v in metrics.items()}})
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
+        tmp.replace(path)
         print(format_metrics_table(metrics, title=f"final metrics ({ckpt_path or 'last weights'})"))
         print(f"run directory: {out_dir}")
     return metrics

@@ -371,6 +371,11 @@ class ADE20KDataModule(L.LightningDataModule):
             self._root = self._resolve_root()
         return self._root
 
+    @staticmethod
+    def default_data_found() -> bool:
+        """Whether the default root holds a dataset (used by recipes to pick their config)."""
+        return not _is_empty(default_ade20k_root())
+
     def _resolve_root(self) -> Path:
         if self.root_arg is not None:
             root = Path(self.root_arg).expanduser()

@@ -455,6 +455,18 @@ class COCODataModule(L.LightningDataModule):
             self._resolve_paths()
 
     # ----------------------------------------------------------------------------- paths
+    @staticmethod
+    def default_root() -> Path:
+        """``$VTDENSE_DATA/coco`` if ``VTDENSE_DATA`` is set, else ``data/coco``."""
+        env = os.environ.get("VTDENSE_DATA")
+        return Path(env).expanduser() / "coco" if env else Path("data/coco")
+
+    @classmethod
+    def default_data_found(cls) -> bool:
+        """Whether the default root holds a COCO dataset (used by recipes to pick their config)."""
+        root = cls.default_root()
+        return all((root / a).is_file() and (root / i).is_dir() for a, i in _SPLIT_FILES.values())
+
     def _resolve_paths(self) -> dict[str, tuple[Path, Path]]:
         """Decide the annotation file and image folder of each split (once)."""
         if self._paths is not None:
@@ -477,10 +489,9 @@ class COCODataModule(L.LightningDataModule):
                 )
             paths = {s: (Path(given[f"{s}_ann"]), Path(given[f"{s}_images"])) for s in _SPLIT_FILES}
         else:
-            env = os.environ.get("VTDENSE_DATA")
-            default = Path(env).expanduser() / "coco" if env else Path("data/coco")
+            default = self.default_root()
             paths = {s: (default / a, default / i) for s, (a, i) in _SPLIT_FILES.items()}
-            if not all(a.is_file() and i.is_dir() for a, i in paths.values()):
+            if not self.default_data_found():
                 if not self.synthetic_if_missing:
                     raise FileNotFoundError(
                         f"no COCO dataset at {default.resolve()} (expected annotations/instances_train2017.json, "
