@@ -239,14 +239,23 @@ def test_degenerate_annotations_dropped_with_one_log_line(
                                    "area": area, "iscrowd": 0, "segmentation": []})
     path = write_ann(ann)
     with caplog.at_level(logging.WARNING, logger="vtdense.data.coco"):
-        ds = COCODetection(coco_root / "val2017", path, train=False)
+        ds = COCODetection(coco_root / "val2017", path, train=True)
     records = [r for r in caplog.records if r.name == "vtdense.data.coco"]
     assert len(records) == 1 and "dropped 4 degenerate" in records[0].getMessage()
     assert str(path) in records[0].getMessage()
     assert ds.num_dropped == 4
     _, t = ds[0]
-    n = len([a for a in ann["annotations"] if a["image_id"] == image_id]) - len(bad)
-    assert t["boxes"].shape == (n, 4)
+    anns = [a for a in ann["annotations"] if a["image_id"] == image_id]
+    n = len(anns) - len(bad)
+    n_crowd = sum(a.get("iscrowd", 0) for a in anns)  # training splits drop crowds too
+    assert t["boxes"].shape == (n - n_crowd, 4)
+    # evaluation keeps every ground-truth annotation, as pycocotools does on the JSON file
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vtdense.data.coco"):
+        ev = COCODetection(coco_root / "val2017", path, train=False)
+    assert ev.num_dropped == 0 and not [r for r in caplog.records if r.name == "vtdense.data.coco"]
+    _, t = ev[0]
+    assert t["orig_boxes"].shape == (n + len(bad), 4) and t["area"].shape == (n + len(bad),)
 
 
 def test_corrupt_json_names_the_file(write_ann: Callable[..., Path], coco_root: Path) -> None:

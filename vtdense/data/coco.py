@@ -196,8 +196,8 @@ class COCODetection(Dataset):
         self.num_dropped = 0
         num_crowd = 0
         for ann in data["annotations"]:
-            kept = self._check_annotation(ann)
-            if kept is None:
+            kept, degenerate = self._check_annotation(ann)
+            if degenerate and train:
                 self.num_dropped += 1
             elif train and kept["iscrowd"]:
                 num_crowd += 1
@@ -221,8 +221,12 @@ class COCODetection(Dataset):
         """Number of object classes (background excluded)."""
         return len(self.categories)
 
-    def _check_annotation(self, ann: Any) -> dict[str, Any] | None:
-        """Validate one annotation; return a normalised copy, or None when degenerate."""
+    def _check_annotation(self, ann: Any) -> tuple[dict[str, Any], bool]:
+        """Validate one annotation; return a normalised copy and whether it is degenerate.
+
+        Degenerate annotations are dropped from training splits only: evaluation splits keep
+        every ground-truth annotation, so metrics agree with pycocotools run on the JSON file.
+        """
         if not isinstance(ann, dict) or "id" not in ann:
             raise COCODatasetError(f"{self.ann_file}: annotation entry {ann!r} has no 'id'")
         ann_id = ann["id"]
@@ -248,9 +252,8 @@ class COCODetection(Dataset):
         x1 = min(max(float(bbox[0] + bbox[2]), 0.0), float(img["width"]))
         y1 = min(max(float(bbox[1] + bbox[3]), 0.0), float(img["height"]))
         area = float(ann.get("area", (x1 - x0) * (y1 - y0)))
-        if x1 - x0 <= self.min_box_size or y1 - y0 <= self.min_box_size or area <= 0:
-            return None
-        return {**ann, "xyxy": (x0, y0, x1, y1), "area": area, "iscrowd": int(ann.get("iscrowd", 0))}
+        degenerate = x1 - x0 <= self.min_box_size or y1 - y0 <= self.min_box_size or area <= 0
+        return {**ann, "xyxy": (x0, y0, x1, y1), "area": area, "iscrowd": int(ann.get("iscrowd", 0))}, degenerate
 
     def _check_files(self) -> None:
         """Fail early, naming the first missing image, when image files are absent."""
@@ -330,7 +333,8 @@ class COCODetection(Dataset):
         image: Any = tv_tensors.Image(TF.pil_to_tensor(img))
         if self.transforms is not None:
             image, target = self.transforms(image, target)
-        target, _ = drop_degenerate_instances(target, min_size=1.0)
+        if self.train:  # evaluation keeps all ground truth (it only feeds the metric)
+            target, _ = drop_degenerate_instances(target, min_size=1.0)
         image = image.as_subclass(Tensor) if isinstance(image, Tensor) else TF.pil_to_tensor(image)
         image = TF.to_dtype(image, torch.float32, scale=True)
         out = {k: (v.as_subclass(Tensor) if isinstance(v, Tensor) else v) for k, v in target.items()}
