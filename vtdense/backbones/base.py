@@ -8,6 +8,7 @@ attributes declared here, never by running a dummy image.
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +25,7 @@ class Backbone(nn.Module):
         out_strides: stride of each returned map relative to the input image.
         size_divisibility: padding multiple the model prefers (inputs of any size work).
         in_chans: number of input channels.
+        out_indices: stage indices (0-based) whose outputs are returned.
     """
 
     out_names: list[str]
@@ -31,6 +33,7 @@ class Backbone(nn.Module):
     out_strides: list[int]
     size_divisibility: int = 32
     in_chans: int = 3
+    out_indices: tuple[int, ...]
 
     def output_shape(self) -> dict[str, dict[str, int]]:
         """Channels and stride of each output, keyed like ``forward``'s result."""
@@ -60,6 +63,22 @@ class Backbone(nn.Module):
                 f"{type(self).__name__} expects a floating point image, got dtype {x.dtype}; "
                 "convert with x.float() (and normalise) first"
             )
+
+    def emit_pyramid(self, x: Tensor, stages: Iterable[nn.Module]) -> "OrderedDict[str, Tensor]":
+        """Run channels-last ``stages`` on ``x`` (B, H, W, C) and collect the requested outputs.
+
+        Uses ``self.out_indices`` / ``self.out_names`` and, when not ``None``, the per-level
+        LayerNorms in ``self.out_norms`` (a ModuleDict keyed by output name); returns NCHW maps.
+        """
+        out: OrderedDict[str, Tensor] = OrderedDict()
+        names = dict(zip(self.out_indices, self.out_names))
+        norms = getattr(self, "out_norms", None)
+        for i, stage in enumerate(stages):
+            x = stage(x)
+            if i in names:
+                y = norms[names[i]](x) if norms is not None else x
+                out[names[i]] = y.permute(0, 3, 1, 2).contiguous()
+        return out
 
     def forward(self, x: Tensor) -> "OrderedDict[str, Tensor]":  # pragma: no cover - abstract
         raise NotImplementedError

@@ -45,7 +45,6 @@ token.
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
 from typing import Any, Sequence
 
@@ -54,7 +53,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vtdense.backbones.base import Backbone
-from vtdense.backbones.registry import register_backbone
+from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
 from vtdense.layers.position import decomposed_rel_pos_bias
@@ -458,14 +457,7 @@ class MViTv2(Backbone):
         """``(B, C, H, W)`` of any ``H, W`` -> ordered ``{"stageK": (B, C_k, ceil(H/s_k), ceil(W/s_k))}``."""
         self.check_input(x)
         x = self.patch_embed(x)
-        out: OrderedDict[str, Tensor] = OrderedDict()
-        names = dict(zip(self.out_indices, self.out_names))
-        for i, stage in enumerate(self.stages):
-            x = stage(x)
-            if i in names:
-                y = self.out_norms[names[i]](x) if self.out_norms is not None else x
-                out[names[i]] = y.permute(0, 3, 1, 2).contiguous()
-        return out
+        return self.emit_pyramid(x, self.stages)
 
 
 # name -> (embed_dim, depths, num_heads, expand_attn); the published configs (timm's layout).
@@ -478,19 +470,10 @@ _SIZES = {
 
 
 def _register(size: str) -> None:
-    name = f"mvitv2_{size}"
     embed_dim, depths, num_heads, expand_attn = _SIZES[size]
     defaults = dict(embed_dim=embed_dim, depths=depths, num_heads=num_heads, expand_attn=expand_attn)
-    allowed = set(inspect.signature(MViTv2.__init__).parameters) - {"self"}
-
-    def build(**overrides: Any) -> MViTv2:
-        unknown = sorted(set(overrides) - allowed)
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown} for backbone {name!r}; valid options: {', '.join(sorted(allowed))}")
-        return MViTv2(**{**defaults, **overrides})
-
-    build.__doc__ = f"MViTv2 {size}: embed {embed_dim}, depths {depths}, heads {num_heads} at stage 1."
-    register_backbone(name)(build)
+    doc = f"MViTv2 {size}: embed {embed_dim}, depths {depths}, heads {num_heads} at stage 1."
+    register_config(f"mvitv2_{size}", MViTv2, defaults, doc=doc)
 
 
 for _size in _SIZES:

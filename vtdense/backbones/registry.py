@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import inspect
+from typing import Any, Callable, Iterable
 
 from torch import nn
 
-__all__ = ["register_backbone", "create_backbone", "list_backbones"]
+__all__ = ["register_backbone", "register_config", "create_backbone", "list_backbones"]
 
 _BACKBONES: dict[str, Callable[..., nn.Module]] = {}
 
@@ -21,6 +22,26 @@ def register_backbone(name: str) -> Callable[[Callable[..., nn.Module]], Callabl
         return fn
 
     return wrap
+
+
+def register_config(
+    name: str, cls: Callable[..., nn.Module], defaults: dict[str, Any], *, fixed: Iterable[str] = (), doc: str = ""
+) -> None:
+    """Register ``name`` as ``cls(**defaults)``; overrides are checked against ``cls``'s arguments.
+
+    Args:
+        fixed: arguments of ``cls`` that overrides may not change (e.g. Swin's ``version``).
+    """
+    allowed = set(inspect.signature(cls.__init__).parameters) - {"self", *fixed}
+
+    def build(**overrides: Any) -> nn.Module:
+        unknown = sorted(set(overrides) - allowed)
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for backbone {name!r}; valid options: {', '.join(sorted(allowed))}")
+        return cls(**{**defaults, **overrides})
+
+    build.__doc__ = doc
+    register_backbone(name)(build)
 
 
 def list_backbones() -> list[str]:

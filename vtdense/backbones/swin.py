@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vtdense.backbones.base import Backbone
-from vtdense.backbones.registry import register_backbone
+from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
 from vtdense.layers.position import log_spaced_coords, relative_position_index
@@ -419,14 +419,7 @@ class SwinTransformer(Backbone):
         """``(B, C, H, W)`` of any ``H, W`` -> ordered ``{"stageK": (B, C_k, ceil(H/s_k), ceil(W/s_k))}``."""
         self.check_input(x)
         x = self.patch_embed(x)
-        out: OrderedDict[str, Tensor] = OrderedDict()
-        names = dict(zip(self.out_indices, self.out_names))
-        for i, stage in enumerate(self.layers):
-            x = stage(x)
-            if i in names:
-                y = self.out_norms[names[i]](x) if self.out_norms is not None else x
-                out[names[i]] = y.permute(0, 3, 1, 2).contiguous()
-        return out
+        return self.emit_pyramid(x, self.layers)
 
 
 # name -> (embed_dim, depths, num_heads); the papers' configs.
@@ -441,18 +434,8 @@ _SIZES = {
 def _register(name: str, version: int, size: str) -> None:
     embed_dim, depths, num_heads = _SIZES[size]
     defaults = dict(embed_dim=embed_dim, depths=depths, num_heads=num_heads, window_size=7 if version == 1 else 8, version=version)
-
-    def build(**overrides: Any) -> SwinTransformer:
-        import inspect
-
-        allowed = set(inspect.signature(SwinTransformer.__init__).parameters) - {"self", "version"}
-        unknown = sorted(set(overrides) - allowed)
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown} for backbone {name!r}; valid options: {', '.join(sorted(allowed))}")
-        return SwinTransformer(**{**defaults, **overrides})
-
-    build.__doc__ = f"Swin{' V2' if version == 2 else ''} {size}: embed {embed_dim}, depths {depths}, heads {num_heads}."
-    register_backbone(name)(build)
+    doc = f"Swin{' V2' if version == 2 else ''} {size}: embed {embed_dim}, depths {depths}, heads {num_heads}."
+    register_config(name, SwinTransformer, defaults, fixed=("version",), doc=doc)
 
 
 for _size in _SIZES:
