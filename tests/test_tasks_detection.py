@@ -302,3 +302,35 @@ def test_bf16_mixed_fit_and_validate(coco_root: Path, tmp_path: Path) -> None:
     assert torch.isfinite(tr.logged_metrics["train/loss"])
     assert tr.logged_metrics["val/bbox_mAP"] >= 0.0
     assert json.loads((Path(tr.log_dir) / "bbox.json").read_text())  # detections were written
+
+
+class _ImageLogger(CSVLogger):
+    """A CSV logger whose experiment also takes TensorBoard-style ``add_image`` calls."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root, name="img")
+        self.images: list[tuple[str, tuple[int, ...], int]] = []
+
+    @property
+    def experiment(self) -> Any:
+        logger = self
+        writer = super().experiment
+
+        class _Experiment:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(writer, name)
+
+            def add_image(self, tag: str, img: torch.Tensor, step: int) -> None:
+                logger.images.append((tag, tuple(img.shape), step))
+
+        return _Experiment()
+
+
+def test_prediction_images_are_logged_to_the_logger(coco_root: Path, tmp_path: Path) -> None:
+    task, _ = oracle_task()
+    logger = _ImageLogger(str(tmp_path))
+    trainer(tmp_path, logger=logger).validate(task, datamodule=datamodule(coco_root), verbose=False)
+    assert len(logger.images) == 4
+    tag, shape, _ = logger.images[0]
+    assert tag.startswith("val/pred_") and shape[0] == 3 and len(shape) == 3
+    assert len(list((Path(logger.log_dir) / "predictions").glob("*.png"))) == 4  # the PNGs are still written

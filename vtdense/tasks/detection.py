@@ -583,8 +583,10 @@ class DetectionTask(LightningModule):
         for image_id, canvas in vis:
             tag = f"{fn}_{prefix}_epoch{self.current_epoch:03d}_img{image_id}"
             to_pil_image(canvas).save(vis_dir / f"{tag}.png")
-            if hasattr(experiment, "add_image"):
+            if hasattr(experiment, "add_image"):  # TensorBoard-style loggers
                 experiment.add_image(f"{prefix}/pred_{image_id}", canvas, self.global_step)
+            elif hasattr(self.logger, "log_image"):  # W&B / Neptune-style loggers
+                self.logger.log_image(key=f"{prefix}/pred_{image_id}", images=[to_pil_image(canvas)], step=self.global_step)
 
     def validation_step(self, batch: tuple[list[Tensor], list[dict[str, Any]]], batch_idx: int) -> None:
         """Predict, rescale to original coordinates and update the COCO metric."""
