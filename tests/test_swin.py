@@ -276,7 +276,7 @@ def test_small_maps_shrink_the_window_and_drop_the_shift() -> None:
 def test_masks_are_cached_per_size() -> None:
     a = window_attention_mask(25, 30, (7, 7), (3, 3), "cpu")
     b = window_attention_mask(25, 30, (7, 7), (3, 3), "cpu")
-    assert a is b and a.shape == (4 * 5, 49, 49)
+    assert a is b and a.shape == (4 * 5, 49, 49) and a.dtype == torch.bool
     assert window_attention_mask(28, 28, (7, 7), (0, 0), "cpu") is None  # nothing to mask
 
 

@@ -57,7 +57,7 @@ from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
 from vtdense.layers.position import decomposed_rel_pos_bias
-from vtdense.layers.windows import pad_to_window, window_attention_mask, window_partition, window_reverse
+from vtdense.layers.windows import MASK_VALUE, pad_to_window, window_attention_mask, window_partition, window_reverse
 
 __all__ = ["MultiScaleAttention", "MultiScaleBlock", "MViTv2Stage", "MViTv2"]
 
@@ -180,7 +180,7 @@ class MultiScaleAttention(nn.Module):
         qs, ks, vs = (t.view(B, h, nW, t.shape[2], d).transpose(1, 2) for t in (qs, ks, vs))
         bias = decomposed_rel_pos_bias(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid)
         if mask is not None:
-            bias = bias + mask[None, :, None].to(bias.dtype)
+            bias = torch.where(mask[None, :, None], MASK_VALUE, bias)
         out = attention(qs, ks, vs, bias, dropout=self.attn_drop if self.training else 0.0)
         out = out.transpose(1, 2).reshape(B * h, nW, -1, d)
         if self.window:

@@ -31,6 +31,7 @@ from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
 from vtdense.layers.position import log_spaced_coords, relative_position_index
 from vtdense.layers.windows import (
+    MASK_VALUE,
     effective_window,
     pad_to_window,
     to_2tuple,
@@ -112,7 +113,7 @@ class WindowAttention(nn.Module):
         Args:
             x: ``(B, nW, N, C)`` tokens grouped by window.
             window: the window ``(h, w)`` in use (``N = h * w``).
-            mask: additive ``(nW, N, N)`` shift/padding mask or ``None``.
+            mask: boolean ``(nW, N, N)`` shift/padding mask (True = blocked) or ``None``.
         """
         B, nW, N, C = x.shape
         if self.cosine and self.q_bias is not None:
@@ -123,7 +124,7 @@ class WindowAttention(nn.Module):
         q, k, v = qkv.view(B, nW, N, 3, self.num_heads, C // self.num_heads).permute(3, 0, 1, 4, 2, 5).unbind(0)
         attn_mask = self.position_bias(window)
         if mask is not None:
-            attn_mask = attn_mask[None] + mask[:, None]
+            attn_mask = torch.where(mask[:, None], MASK_VALUE, attn_mask[None])  # nW, heads, N, N
         if self.cosine:
             scale = torch.clamp(self.logit_scale, max=_LOGIT_SCALE_MAX).exp()
             q = F.normalize(q, dim=-1) * scale

@@ -89,7 +89,9 @@ def _region_labels(n_pad: int, window: int, shift: int) -> Tensor:
     return labels
 
 
-@functools.lru_cache(maxsize=128)
+# Bool masks (1 byte per entry) and a bounded cache: multi-scale training visits many sizes, and
+# a stage-1 mask at 1333x800 holds ~1400 windows x 49 x 49 entries.
+@functools.lru_cache(maxsize=64)
 def _window_mask_cached(
     H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device
 ) -> Tensor | None:
@@ -107,16 +109,17 @@ def _window_mask_cached(
         win = window_partition(grid, window)[0]  # nW, N, 2
         reg, val = win[..., 0], win[..., 1]
         blocked = (reg[:, :, None] != reg[:, None, :]) | (val[:, None, :] == 0)
-        mask = torch.zeros(blocked.shape).masked_fill_(blocked, MASK_VALUE)
-        return mask.to(device)
+        return blocked.to(device)
 
 
 def window_attention_mask(
     H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device | str = "cpu"
 ) -> Tensor | None:
-    """Additive mask ``(nW, N, N)`` for (shifted) window attention on an ``H x W`` map.
+    """Boolean mask ``(nW, N, N)``, True where a query may not attend to a key, for (shifted)
+    window attention on an ``H x W`` map.
 
-    Blocks attention across shift regions (SW-MSA) and to padded keys. ``None`` when nothing
-    needs masking. Cached per (H, W, window, shift, device): built once per feature-map size.
+    Blocks attention across shift regions (SW-MSA) and to padded keys; callers turn it into the
+    additive term with ``torch.where(mask, MASK_VALUE, bias)``. ``None`` when nothing needs
+    masking. Cached per (H, W, window, shift, device): built once per feature-map size.
     """
     return _window_mask_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
