@@ -12,8 +12,20 @@ from typing import Iterable
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["Backbone"]
+__all__ = ["Backbone", "run_blocks"]
+
+
+def run_blocks(blocks: Iterable[nn.Module], x: Tensor, grad_checkpointing: bool = False) -> Tensor:
+    """Apply ``blocks`` in order; with ``grad_checkpointing`` (and grads enabled) each block's
+    activations are recomputed in backward instead of stored."""
+    for block in blocks:
+        if grad_checkpointing and torch.is_grad_enabled():
+            x = checkpoint(block, x, use_reentrant=False)
+        else:
+            x = block(x)
+    return x
 
 
 class Backbone(nn.Module):

@@ -50,9 +50,8 @@ from typing import Any, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from vtdense.backbones.base import Backbone
+from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
@@ -304,12 +303,7 @@ class MViTv2Stage(nn.Module):
         self.blocks = nn.ModuleList(blocks)
 
     def forward(self, x: Tensor) -> Tensor:
-        for block in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return x
+        return run_blocks(self.blocks, x, self.grad_checkpointing)
 
 
 class MViTv2(Backbone):

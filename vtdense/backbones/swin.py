@@ -23,9 +23,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
-from vtdense.backbones.base import Backbone
+from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
@@ -284,12 +283,7 @@ class SwinStage(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.downsample(x)
-        for block in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(block, x, use_reentrant=False)
-            else:
-                x = block(x)
-        return x
+        return run_blocks(self.blocks, x, self.grad_checkpointing)
 
 
 class SwinTransformer(Backbone):
