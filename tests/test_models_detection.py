@@ -215,3 +215,23 @@ def test_bad_options_raise_clear_errors() -> None:
         tiny_detector("fcos", fpn_channels=48)
     with pytest.raises(ValueError, match="num_classes"):
         build_detector(tiny_backbone(), "mask_rcnn", 0)
+
+
+def test_mvitv2_mask_rcnn_with_hybrid_windows_trains() -> None:
+    """The second backbone family in a detector: MViTv2 with hybrid windows (padding masked)."""
+    torch.manual_seed(0)
+    mvit = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, window_size=8, drop_path_rate=0.0)
+    model = build_detector("mvitv2_tiny", "mask_rcnn", 3, fpn_channels=32, slim_heads=True, backbone_kwargs=mvit)
+    assert model.backbone.body.window_size == 8
+    images, targets = toy_batch(with_masks=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    losses = []
+    for _ in range(8):
+        loss = sum(model(images, targets).values())
+        assert torch.isfinite(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert min(losses[-3:]) < 0.9 * losses[0], losses

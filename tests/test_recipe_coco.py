@@ -183,3 +183,12 @@ def test_published_command_line_without_config_is_the_1x_recipe(recipe: ModuleTy
     printed = capsys.readouterr().out
     assert "slim_heads: false" in printed and "fpn_channels: 256" in printed and "max_epochs: 12" in printed
     assert "precision: bf16-mixed" in printed and "root: /data/coco" in printed
+
+
+def test_mvitv2_config_parses_with_hybrid_windows(recipe: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        recipe.main([f"--config={CONFIGS / 'coco_mvitv2_t_maskrcnn_3x.yaml'}", "--data.root=/data/coco", "--print_config"])
+    assert exc.value.code in (0, None)
+    printed = capsys.readouterr().out
+    assert "backbone: mvitv2_tiny" in printed and "window_size: 56" in printed
+    assert "max_epochs: 36" in printed and "slim_heads: false" in printed and "weight_decay: 0.1" in printed
