@@ -130,8 +130,8 @@ def run_recipe(
         argv = sys.argv[1:] if args is None else list(args)
         chosen = choose_config(datamodule_cls, argv, Path(default_config), Path(demo_config))
         if chosen == Path(demo_config):
-            print(f"no dataset given or found: running the CPU demo ({Path(demo_config).name}); "
-                  f"pass --data.root for the published recipe ({Path(default_config).name})")
+            print(f"config: CPU demo {Path(demo_config).name} "
+                  f"(pass --data.root for the published recipe, {Path(default_config).name})")
         default_config = chosen
     if default_config is not None:
         default_config = Path(default_config)
