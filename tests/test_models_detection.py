@@ -28,6 +28,23 @@ def tiny_detector(head: str, **kwargs: object) -> torch.nn.Module:
     return build_detector("swin_tiny", head, 3, **opts)
 
 
+def train_steps(model: torch.nn.Module, images: list, targets: list, steps: int = 8) -> tuple[list[float], list[set[str]]]:
+    """A few AdamW steps on one batch: each step's total loss (finite) and its loss-term names."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    losses, terms = [], []
+    for _ in range(steps):
+        loss_dict = model(images, targets)
+        terms.append(set(loss_dict))
+        loss = sum(loss_dict.values())
+        assert torch.isfinite(loss)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, terms
+
+
 def toy_batch(with_masks: bool) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
     """Two non-square images whose sides are not multiples of 32, with boxes and masks."""
     g = torch.Generator().manual_seed(0)
@@ -143,24 +160,14 @@ def test_training_steps_reduce_the_loss(head: str) -> None:
     torch.manual_seed(0)
     model = tiny_detector(head, anchor_sizes=None)
     images, targets = toy_batch(with_masks=head == "mask_rcnn")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model.train()
-    losses = []
-    for _ in range(8):
-        loss_dict = model(images, targets)
-        expected = {
-            "mask_rcnn": {"loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"},
-            "faster_rcnn": {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"},
-            "retinanet": {"classification", "bbox_regression"},
-            "fcos": {"classification", "bbox_regression", "bbox_ctrness"},
-        }[head]
-        assert set(loss_dict) == expected
-        loss = sum(loss_dict.values())
-        assert torch.isfinite(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, terms = train_steps(model, images, targets)
+    expected = {
+        "mask_rcnn": {"loss_classifier", "loss_box_reg", "loss_mask", "loss_objectness", "loss_rpn_box_reg"},
+        "faster_rcnn": {"loss_classifier", "loss_box_reg", "loss_objectness", "loss_rpn_box_reg"},
+        "retinanet": {"classification", "bbox_regression"},
+        "fcos": {"classification", "bbox_regression", "bbox_ctrness"},
+    }[head]
+    assert all(t == expected for t in terms)
     assert min(losses[-3:]) < 0.9 * losses[0], losses
 
     # Inference returns detections in the coordinates of the images given (no resize).
@@ -224,14 +231,5 @@ def test_mvitv2_mask_rcnn_with_hybrid_windows_trains() -> None:
     model = build_detector("mvitv2_tiny", "mask_rcnn", 3, fpn_channels=32, slim_heads=True, backbone_kwargs=mvit)
     assert model.backbone.body.window_size == 8
     images, targets = toy_batch(with_masks=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model.train()
-    losses = []
-    for _ in range(8):
-        loss = sum(model(images, targets).values())
-        assert torch.isfinite(loss)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses, _ = train_steps(model, images, targets)
     assert min(losses[-3:]) < 0.9 * losses[0], losses

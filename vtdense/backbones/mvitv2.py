@@ -55,6 +55,7 @@ from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
+from vtdense.layers.mlp import Mlp
 from vtdense.layers.position import decomposed_rel_pos_bias
 from vtdense.layers.windows import MASK_VALUE, pad_to_window, window_attention_mask, window_partition, window_reverse
 
@@ -194,19 +195,6 @@ class MultiScaleAttention(nn.Module):
         return self.proj(out)
 
 
-class _Mlp(nn.Module):
-    """Two-layer GELU MLP with its own output width (names ``fc1``/``fc2`` as in timm)."""
-
-    def __init__(self, dim: int, hidden: int, out_dim: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, out_dim)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.act(self.fc1(x)))
-
-
 class MultiScaleBlock(nn.Module):
     """Pre-norm pooling-attention block on a channels-last ``(B, H, W, dim)`` map.
 
@@ -268,7 +256,7 @@ class MultiScaleBlock(nn.Module):
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = _layer_norm(att_dim)
         self.shortcut_proj_mlp = nn.Linear(dim, dim_out) if project and not expand_attn else None
-        self.mlp = _Mlp(att_dim, int(att_dim * mlp_ratio), dim_out)
+        self.mlp = Mlp(att_dim, int(att_dim * mlp_ratio), dim_out)
         self.drop_path2 = DropPath(drop_path)
 
     def forward(self, x: Tensor) -> Tensor:

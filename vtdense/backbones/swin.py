@@ -28,6 +28,7 @@ from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
+from vtdense.layers.mlp import Mlp
 from vtdense.layers.position import log_spaced_coords, relative_position_index
 from vtdense.layers.windows import (
     MASK_VALUE,
@@ -135,20 +136,6 @@ class WindowAttention(nn.Module):
         return self.proj_drop(self.proj(out))
 
 
-class Mlp(nn.Module):
-    """Two-layer GELU MLP (names ``fc1``/``fc2`` as in timm)."""
-
-    def __init__(self, dim: int, hidden: int, drop: float = 0.0) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(dim, hidden)
-        self.act = nn.GELU()
-        self.fc2 = nn.Linear(hidden, dim)
-        self.drop = nn.Dropout(drop)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
-
-
 class SwinBlock(nn.Module):
     """One W-MSA or SW-MSA block on a channels-last ``(B, H, W, C)`` map.
 
@@ -188,7 +175,7 @@ class SwinBlock(nn.Module):
         )
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = nn.LayerNorm(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
         self.drop_path2 = DropPath(drop_path)
         # Swin V2's extra main-branch norm (used every few blocks in the largest models).
         self.norm3 = nn.LayerNorm(dim) if extra_norm else None

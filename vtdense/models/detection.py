@@ -256,6 +256,26 @@ def _rcnn(
     return model
 
 
+def _dense(
+    cls: type[nn.Module],
+    anchor_gen: AnchorGenerator,
+    neck: BackboneWithFPN,
+    num_classes: int,
+    opts: dict[str, Any],
+    head_kwargs: dict[str, Any],
+) -> nn.Module:
+    """A one-stage torchvision detector (RetinaNet / FCOS) on ``neck`` with fp32 head outputs."""
+    kwargs: dict[str, Any] = dict(
+        anchor_generator=anchor_gen,
+        detections_per_img=opts["detections_per_img"],
+        score_thresh=opts["score_thresh"],
+    )
+    kwargs.update(head_kwargs)
+    model = cls(neck, num_classes + 1, min_size=1, max_size=1, **kwargs)
+    _keep_fp32(model.head)
+    return model
+
+
 def _retinanet(
     neck: BackboneWithFPN, num_classes: int, opts: dict[str, Any], head_kwargs: dict[str, Any]
 ) -> nn.Module:
@@ -264,30 +284,14 @@ def _retinanet(
         sizes=tuple((s, s * 2 ** (1 / 3), s * 2 ** (2 / 3)) for s in sizes),
         aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes),
     )
-    kwargs: dict[str, Any] = dict(
-        anchor_generator=anchor_gen,
-        detections_per_img=opts["detections_per_img"],
-        score_thresh=opts["score_thresh"],
-    )
-    kwargs.update(head_kwargs)
-    model = RetinaNet(neck, num_classes + 1, min_size=1, max_size=1, **kwargs)
-    _keep_fp32(model.head)
-    return model
+    return _dense(RetinaNet, anchor_gen, neck, num_classes, opts, head_kwargs)
 
 
 def _fcos(neck: BackboneWithFPN, num_classes: int, opts: dict[str, Any], head_kwargs: dict[str, Any]) -> nn.Module:
     # FCOS derives its per-level regression ranges from the anchor size, which must be the stride.
     sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 1.0)
     anchor_gen = AnchorGenerator(sizes=tuple((s,) for s in sizes), aspect_ratios=((1.0,),) * len(sizes))
-    kwargs: dict[str, Any] = dict(
-        anchor_generator=anchor_gen,
-        detections_per_img=opts["detections_per_img"],
-        score_thresh=opts["score_thresh"],
-    )
-    kwargs.update(head_kwargs)
-    model = FCOS(neck, num_classes + 1, min_size=1, max_size=1, **kwargs)
-    _keep_fp32(model.head)
-    return model
+    return _dense(FCOS, anchor_gen, neck, num_classes, opts, head_kwargs)
 
 
 #: head name -> (FPN extra block, smallest backbone stride used, builder)
