@@ -25,6 +25,8 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
+from vtdense.tasks.base import resolve_run_dir
+
 __all__ = ["VtdenseCLI", "choose_config", "run_dir", "format_metrics_table", "run_recipe"]
 
 
@@ -42,10 +44,8 @@ class VtdenseCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
 
-def run_dir(trainer: Trainer) -> Path:
-    """The run directory: the logger's ``log_dir`` if there is one, else ``default_root_dir``."""
-    log_dir = trainer.log_dir if trainer.loggers else None
-    return Path(log_dir if log_dir is not None else trainer.default_root_dir)
+#: The run directory of a trainer (``trainer.log_dir`` or ``default_root_dir``); a collective under DDP.
+run_dir = resolve_run_dir
 
 
 def _to_float(value: Any) -> float | None:
@@ -149,6 +149,8 @@ def run_recipe(
         best = callback.best_model_path or callback.last_model_path
         if best and os.path.isfile(best):
             ckpt_path = best
+    # every rank validates the same checkpoint (rank 0's view of the file system decides)
+    ckpt_path = trainer.strategy.broadcast(ckpt_path)
     results = trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
 
     metrics: dict[str, float] = {}
@@ -158,8 +160,8 @@ def run_recipe(
             if number is not None:
                 metrics[key] = number
 
+    out_dir = resolve_run_dir(trainer)  # a collective under DDP: every rank, before the rank-0 branch
     if trainer.is_global_zero:
-        out_dir = run_dir(trainer)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "metrics.json"
         payload: dict[str, Any] = {}

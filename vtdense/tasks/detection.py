@@ -25,14 +25,11 @@ import importlib.util
 import json
 import math
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from pycocotools import mask as mask_utils
 from torch import Tensor, nn
 from torchmetrics.detection import MeanAveragePrecision
@@ -40,7 +37,8 @@ from torchvision.ops import box_convert
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
 from vtdense.models.detection import HEADS, build_detector, list_heads
-from vtdense.tasks.optim import param_groups, warmup_schedule
+from vtdense.tasks.base import BaseTask
+from vtdense.tasks.optim import apply_layer_decay, param_groups, warmup_schedule
 
 __all__ = ["DetectionTask", "LR_SCHEDULES", "METRIC_BACKENDS", "IOU_TYPES", "METRIC_NAMES"]
 
@@ -124,12 +122,16 @@ def _rle_encode(masks: Tensor) -> list[dict[str, Any]]:
     return rles
 
 
-class DetectionTask(LightningModule):
+class DetectionTask(BaseTask):
     """Train and evaluate a vtdense-backbone detector (Mask R-CNN, Faster R-CNN, RetinaNet, FCOS).
 
     Example:
         >>> task = DetectionTask(backbone="swin_tiny", head="mask_rcnn", num_classes=80)  # doctest: +SKIP
     """
+
+    monitor = "val/bbox_mAP"
+    monitor_mode = "max"
+    checkpoint_filename = "best-epoch{epoch:03d}"
 
     def __init__(
         self,
@@ -151,6 +153,7 @@ class DetectionTask(LightningModule):
         lr: float = 1e-4,
         weight_decay: float = 0.05,
         backbone_lr_mult: float = 1.0,
+        layer_decay: float | None = None,
         lr_schedule: str = "step",
         lr_milestones: list[float] | None = None,
         lr_gamma: float = 0.1,
@@ -184,6 +187,8 @@ class DetectionTask(LightningModule):
             lr: AdamW learning rate.
             weight_decay: AdamW weight decay (not applied to norms, biases, position tables, logit scales).
             backbone_lr_mult: learning-rate multiplier of the backbone parameters.
+            layer_decay: layer-wise lr decay of the backbone (``None``: off); backbone layer ``i``
+                of ``N`` gets ``layer_decay ** (N - i)`` times its lr, the neck and heads ``1``.
             lr_schedule: ``step``, ``cosine``, ``poly`` or ``constant``, after the warmup.
             lr_milestones: epochs (may be fractional) at which ``step`` multiplies the lr by ``lr_gamma``.
             lr_gamma: step decay factor.
@@ -221,20 +226,19 @@ class DetectionTask(LightningModule):
             )
         if num_classes is not None and num_classes < 1:
             raise ValueError(f"num_classes must be >= 1 (background excluded), got {num_classes}")
+        if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
+            raise ValueError(f"layer_decay must be in (0, 1] (option 'layer_decay'), got {layer_decay}")
         self.save_hyperparameters()
         self.label_to_category_id: dict[int, int] = {}
         self.category_names: dict[int, str] = {}
-        self.model: nn.Module | None = None
         self.val_metrics: MeanAveragePrecision | None = None
         self.test_metrics: MeanAveragePrecision | None = None
-        # iou type -> image id -> COCO result records (keyed by image so DDP padding duplicates collapse)
-        self._results: dict[str, dict[int, list[dict[str, Any]]]] = {}
+        # image id -> {"pred": ..., "gt": ...} for this rank's evaluation images (masks as RLE)
+        self._records: dict[int, dict[str, Any]] = {}
         self._vis: list[tuple[int, Tensor]] = []
-        self._num_eval_images = 0
         self._backbone_loaded = False
         if num_classes is not None:
-            self.configure_models()
-            self.configure_metrics()
+            self.build()
 
     # ------------------------------------------------------------------ building
     @property
@@ -263,9 +267,15 @@ class DetectionTask(LightningModule):
         )
 
     def configure_metrics(self) -> None:
-        """COCO mAP metrics for validation and test."""
+        """COCO mAP metrics for validation and test.
+
+        They never synchronise across processes themselves: the task gathers every rank's
+        per-image predictions, drops the repeats of the distributed sampler, and feeds the
+        metric in image-id order, so each image counts once and the result equals one process.
+        """
         iou = self.iou_types
         kwargs = dict(
+            sync_on_compute=False,
             iou_type=iou if len(iou) > 1 else iou[0],
             backend=METRIC_BACKENDS[self.hparams["metric_backend"]],
             # pycocotools' float64 thresholds: torchmetrics' defaults come from a float32 linspace
@@ -278,6 +288,7 @@ class DetectionTask(LightningModule):
 
     def setup(self, stage: str) -> None:
         """Take ``num_classes`` and the category id / name tables from the datamodule."""
+        super().setup(stage)
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if self.hparams["num_classes"] is None:
             n = getattr(dm, "num_classes", None)
@@ -295,28 +306,13 @@ class DetectionTask(LightningModule):
             if hasattr(dm, "category_names"):
                 self.category_names = _as_name_map(dm.category_names, self.label_to_category_id)
         if self.model is None:
-            self.configure_models()
-            self.configure_metrics()
+            self.build()
         weights = self.hparams["backbone_weights"]
         if stage == "fit" and weights is not None and not self._backbone_loaded:
             from vtdense.checkpoints.convert import load_pretrained
 
             load_pretrained(self._detector.backbone.body, weights)
             self._backbone_loaded = True
-
-    def configure_callbacks(self) -> list[Callback]:
-        """Keep the last checkpoint and the best one by ``val/bbox_mAP``."""
-        if self._trainer is not None and not self.trainer.checkpoint_callbacks:
-            return []  # checkpointing disabled on the trainer
-        return [
-            ModelCheckpoint(
-                monitor="val/bbox_mAP",
-                mode="max",
-                save_last=True,
-                filename="best-epoch{epoch:03d}",
-                auto_insert_metric_name=False,
-            )
-        ]
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Store the category tables so predictions from a checkpoint carry COCO ids."""
@@ -331,8 +327,7 @@ class DetectionTask(LightningModule):
             n = checkpoint.get("hyper_parameters", {}).get("num_classes")
             if n is not None:
                 self.hparams["num_classes"] = int(n)
-                self.configure_models()
-                self.configure_metrics()
+                self.build()
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW with decay / no-decay groups and a per-iteration warmup + decay LambdaLR."""
@@ -340,6 +335,8 @@ class DetectionTask(LightningModule):
         groups = param_groups(
             self._detector, hp["weight_decay"], backbone_prefix="backbone.body.", backbone_lr_mult=hp["backbone_lr_mult"]
         )
+        if hp.get("layer_decay") is not None:
+            groups = apply_layer_decay(groups, self._detector.backbone.body, "backbone.body.", hp["layer_decay"])
         for group in groups:
             group["lr"] = hp["lr"] * group["lr_mult"]
             group.pop("param_names", None)
@@ -473,17 +470,21 @@ class DetectionTask(LightningModule):
             gt["masks"] = target["orig_masks"].bool().cpu()
         return gt
 
-    def _record_results(self, image_id: int, pred: dict[str, Tensor]) -> None:
-        xywh = box_convert(pred["boxes"], "xyxy", "xywh").tolist()
-        cats = pred["category_ids"].tolist()
-        scores = pred["scores"].tolist()
-        bbox = self._results.setdefault("bbox", {}).setdefault(image_id, [])
-        for b, c, s in zip(xywh, cats, scores):
-            bbox.append({"image_id": image_id, "category_id": int(c), "bbox": [float(v) for v in b], "score": float(s)})
-        if "masks" in pred and "segm" in self.iou_types:
-            segm = self._results.setdefault("segm", {}).setdefault(image_id, [])
-            for rle, c, s in zip(_rle_encode(pred["masks"]), cats, scores):
-                segm.append({"image_id": image_id, "category_id": int(c), "segmentation": rle, "score": float(s)})
+    def _results_json(self, records: dict[int, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+        """COCO results records per IoU type from per-image predictions, in image-id order."""
+        out: dict[str, list[dict[str, Any]]] = {iou: [] for iou in self.iou_types}
+        for image_id in sorted(records):
+            pred = records[image_id]["pred"]
+            xywh = box_convert(pred["boxes"], "xyxy", "xywh").tolist()
+            cats, scores = pred["labels"].tolist(), pred["scores"].tolist()
+            for b, c, s in zip(xywh, cats, scores):
+                out["bbox"].append(
+                    {"image_id": image_id, "category_id": int(c), "bbox": [float(v) for v in b], "score": float(s)}
+                )
+            if "segm" in out:
+                for rle, c, s in zip(pred.get("masks", []), cats, scores):
+                    out["segm"].append({"image_id": image_id, "category_id": int(c), "segmentation": rle, "score": float(s)})
+        return out
 
     def _draw(self, image: Tensor, det: dict[str, Tensor]) -> Tensor:
         """Draw detections (resized coordinates) over the model input; uint8 ``[3, s*h, s*w]``.
@@ -514,24 +515,55 @@ class DetectionTask(LightningModule):
         if metric is None:
             raise RuntimeError("metrics are not configured: the detector was never set up")
         images, targets = batch
+        keep = self.eval_keep(len(images))
         dets = self(list(images))
-        preds, gts = [], []
-        for image, det, target in zip(images, dets, targets):
+        for image, det, target, real in zip(images, dets, targets, keep):
+            if not real:  # a repeat added by the distributed sampler
+                continue
+            image_id = int(target["image_id"])
             pred = self._to_original(image, det, target)
-            preds.append({k: pred[k] for k in ("boxes", "scores", "masks") if k in pred} | {"labels": pred["category_ids"]})
-            gts.append(self._ground_truth(image, target))
-            self._record_results(int(target["image_id"]), pred)
+            record = {k: pred[k] for k in ("boxes", "scores")} | {"labels": pred["category_ids"]}
+            if "masks" in pred and "segm" in self.iou_types:
+                record["masks"] = _rle_encode(pred["masks"])
+            gt = self._ground_truth(image, target)
+            if "masks" in gt:
+                gt["masks"] = _rle_encode(gt["masks"])
+            self._records[image_id] = {"pred": record, "gt": gt}
             if len(self._vis) < self.hparams["num_vis_images"]:
-                self._vis.append((int(target["image_id"]), self._draw(image, det)))
-        metric.update(preds, gts)
-        self._num_eval_images += len(images)
+                self._vis.append((image_id, self._draw(image, det)))
+
+    @staticmethod
+    def _decoded(record: dict[str, Any], size: tuple[int, int]) -> dict[str, Tensor]:
+        """A metric input from a record: RLE masks decoded to bool ``[N, H, W]`` (``size`` when N is 0)."""
+        out = {k: v for k, v in record.items() if k != "masks"}
+        if "masks" in record:
+            rles = record["masks"]
+            if rles:
+                arr = mask_utils.decode([{"size": r["size"], "counts": r["counts"].encode("ascii")} for r in rles])
+                out["masks"] = torch.from_numpy(arr).permute(2, 0, 1).bool()
+            else:
+                out["masks"] = torch.zeros(0, *size, dtype=torch.bool)
+        return out
 
     def _eval_epoch_end(self, prefix: str, metric: MeanAveragePrecision | None) -> dict[str, float]:
+        """Gather every rank's per-image records (a collective), score them once, log, write outputs."""
         if metric is None:
             return {}
-        if self._num_eval_images == 0:
-            metric.reset()
+        parts = self.gather((self._records, self._vis))
+        self._records, self._vis = {}, []
+        records: dict[int, dict[str, Any]] = {}
+        vis: list[tuple[int, Tensor]] = []
+        for part_records, part_vis in parts:
+            records.update(part_records)
+            vis.extend(part_vis)
+        metric.reset()
+        if not records:
             return {}
+        for image_id in sorted(records):
+            rec = records[image_id]
+            rles = rec["gt"].get("masks") or rec["pred"].get("masks") or [{"size": (0, 0)}]
+            size = tuple(rles[0]["size"])
+            metric.update([self._decoded(rec["pred"], size)], [self._decoded(rec["gt"], size)])
         res = metric.compute()
         metric.reset()
         logs: dict[str, float] = {}
@@ -540,53 +572,22 @@ class DetectionTask(LightningModule):
                 value = res.get(f"{iou}_{key}", res.get(key) if len(self.iou_types) == 1 else None)
                 if value is not None:
                     logs[f"{prefix}/{iou}_{name}"] = float(value)
-        self.log_dict(logs, batch_size=self._num_eval_images)
-        if not self.trainer.sanity_checking:
-            self._write_outputs(prefix)
-        self._results, self._vis, self._num_eval_images = {}, [], 0
+        # every rank computed the same numbers from the same gathered records
+        self.log_dict(logs, batch_size=len(records), sync_dist=True)
+        if self.writes_outputs:
+            vis = sorted(vis, key=lambda v: v[0])[: self.hparams["num_vis_images"]]
+            self._write_outputs(prefix, self._results_json(records), vis)
         return logs
 
-    def _gather(self, items: Any) -> list[Any]:
-        """All ranks' ``items`` (lists are concatenated, dicts merged), for writing on rank 0."""
-        if self.trainer.world_size <= 1 or not torch.distributed.is_initialized():
-            return [items]
-        parts: list[Any] = [None] * self.trainer.world_size
-        torch.distributed.all_gather_object(parts, items)
-        return parts
-
-    def run_dir(self) -> Path:
-        """Where outputs go: the trainer's ``log_dir`` (or ``default_root_dir``)."""
-        log_dir = self.trainer.log_dir if self.trainer.loggers else None
-        return Path(log_dir if log_dir is not None else self.trainer.default_root_dir)
-
-    def _write_outputs(self, prefix: str) -> None:
-        results: dict[str, list[dict[str, Any]]] = {}
-        for iou in self.iou_types:
-            merged: dict[int, list[dict[str, Any]]] = {}
-            for part in self._gather(self._results.get(iou, {})):
-                merged.update(part)
-            results[iou] = [r for image_id in sorted(merged) for r in merged[image_id]]
-        vis = [v for part in self._gather(self._vis) for v in part][: self.hparams["num_vis_images"]]
-        if not self.trainer.is_global_zero:
-            return
-        out = self.run_dir()
-        out.mkdir(parents=True, exist_ok=True)
+    def _write_outputs(self, prefix: str, results: dict[str, list[dict[str, Any]]], vis: list[tuple[int, Tensor]]) -> None:
+        """Results JSON and prediction PNGs (rank 0 only; no collective)."""
         stem = "" if prefix == "val" else f"{prefix}_"
         for iou in self.iou_types:
-            (out / f"{stem}{iou}.json").write_text(json.dumps(results.get(iou, [])))
-        from torchvision.transforms.functional import to_pil_image
-
-        vis_dir = out / "predictions"
-        vis_dir.mkdir(exist_ok=True)
+            self.write_text(f"{stem}{iou}.json", json.dumps(results.get(iou, [])))
         fn = self.trainer.state.fn.value if self.trainer.state.fn is not None else prefix
-        experiment = getattr(self.logger, "experiment", None) if self.logger is not None else None
         for image_id, canvas in vis:
-            tag = f"{fn}_{prefix}_epoch{self.current_epoch:03d}_img{image_id}"
-            to_pil_image(canvas).save(vis_dir / f"{tag}.png")
-            if hasattr(experiment, "add_image"):  # TensorBoard-style loggers
-                experiment.add_image(f"{prefix}/pred_{image_id}", canvas, self.global_step)
-            elif hasattr(self.logger, "log_image"):  # W&B / Neptune-style loggers
-                self.logger.log_image(key=f"{prefix}/pred_{image_id}", images=[to_pil_image(canvas)], step=self.global_step)
+            self.write_image(f"predictions/{fn}_{prefix}_epoch{self.current_epoch:03d}_img{image_id}.png", canvas)
+            self.log_image(f"{prefix}/pred_{image_id}", canvas)
 
     def validation_step(self, batch: tuple[list[Tensor], list[dict[str, Any]]], batch_idx: int) -> None:
         """Predict, rescale to original coordinates and update the COCO metric."""

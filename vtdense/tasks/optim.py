@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["NO_DECAY_KEYWORDS", "param_groups", "warmup_schedule"]
+__all__ = ["NO_DECAY_KEYWORDS", "apply_layer_decay", "layer_ids", "param_groups", "warmup_schedule"]
 
 #: Parameter-name fragments that never get weight decay (position tables, logit scales, ...).
 NO_DECAY_KEYWORDS: tuple[str, ...] = (
@@ -99,3 +99,70 @@ def warmup_schedule(
         alpha = step / warmup_steps
         factor *= warmup_factor * (1 - alpha) + alpha
     return factor
+
+
+def layer_ids(backbone: nn.Module) -> tuple[dict[str, int], int]:
+    """Layer index of each backbone parameter for layer-wise lr decay.
+
+    Transformer blocks (modules whose class name ends in ``Block``) are numbered 1..N in
+    definition order; parameters before the first block (patch embedding, position tables)
+    get 0, parameters between blocks (patch merging) take the next block's index, and
+    parameters after the last block (output norms) get N + 1, like the head.
+
+    Returns:
+        ``({param_name: layer_id}, N + 1)`` with names relative to ``backbone``.
+    """
+    blocks: list[str] = []
+    for name, module in backbone.named_modules():
+        if name and type(module).__name__.endswith("Block") and not any(name.startswith(b + ".") for b in blocks):
+            blocks.append(name)
+    n = len(blocks)
+    ids: dict[str, int] = {}
+    pending: list[str] = []
+    seen_block = 0
+    for pname, _ in backbone.named_parameters():
+        owner = next((i for i, b in enumerate(blocks) if pname.startswith(b + ".")), None)
+        if owner is None:
+            if seen_block == 0:
+                ids[pname] = 0
+            else:
+                pending.append(pname)
+            continue
+        for p in pending:
+            ids[p] = owner + 1
+        pending = []
+        ids[pname] = owner + 1
+        seen_block = owner + 1
+    for p in pending:
+        ids[p] = n + 1
+    return ids, n + 1
+
+
+def apply_layer_decay(groups: list[dict], backbone: nn.Module, prefix: str, decay: float) -> list[dict]:
+    """Split :func:`param_groups` output by backbone layer and scale each part's ``lr_mult``.
+
+    Parameters named ``prefix + <backbone parameter>`` take their layer from :func:`layer_ids`;
+    every other parameter (neck, heads) counts as the top layer. Layer ``i`` of top ``N`` gets
+    ``lr_mult * decay ** (N - i)``, as in the Swin V2 / MViTv2 / BEiT fine-tuning recipes.
+
+    Args:
+        groups: groups with ``params``, ``param_names`` and ``lr_mult`` (see :func:`param_groups`).
+        backbone: the backbone module whose parameters appear under ``prefix``.
+        prefix: name prefix of the backbone parameters in ``groups`` (e.g. ``"backbone.body."``).
+        decay: factor in ``(0, 1]``.
+    """
+    ids, top = layer_ids(backbone)
+    out: list[dict] = []
+    for g in groups:
+        split: dict[int, dict] = {}
+        for p, name in zip(g["params"], g["param_names"]):
+            lid = ids.get(name[len(prefix):], top) if name.startswith(prefix) else top
+            sub = split.setdefault(
+                lid, {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": [], "param_names": []}
+            )
+            sub["params"].append(p)
+            sub["param_names"].append(name)
+        for lid, sub in sorted(split.items()):
+            sub["lr_mult"] = g.get("lr_mult", 1.0) * decay ** (top - lid)
+            out.append(sub)
+    return out

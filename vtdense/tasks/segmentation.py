@@ -14,21 +14,18 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
-from PIL import Image
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
 
 from vtdense.models.segmentation import ARCHITECTURES, FCNHead, build_segmentor
-from vtdense.tasks.optim import param_groups, warmup_schedule
+from vtdense.tasks.base import BaseTask
+from vtdense.tasks.optim import apply_layer_decay, layer_ids, param_groups, warmup_schedule
 
 __all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table"]
 
@@ -49,43 +46,6 @@ def color_palette(num_classes: int) -> np.ndarray:
     return palette
 
 
-def layer_ids(backbone: nn.Module) -> tuple[dict[str, int], int]:
-    """Layer index of each backbone parameter for layer-wise lr decay.
-
-    Transformer blocks (modules whose class name ends in ``Block``) are numbered 1..N in
-    definition order; parameters before the first block (patch embedding, position tables)
-    get 0, parameters between blocks (patch merging) take the next block's index, and
-    parameters after the last block (output norms) get N + 1, like the head.
-
-    Returns:
-        ``({param_name: layer_id}, N + 1)`` with names relative to ``backbone``.
-    """
-    blocks: list[str] = []
-    for name, module in backbone.named_modules():
-        if name and type(module).__name__.endswith("Block") and not any(name.startswith(b + ".") for b in blocks):
-            blocks.append(name)
-    n = len(blocks)
-    ids: dict[str, int] = {}
-    pending: list[str] = []
-    seen_block = 0
-    for pname, _ in backbone.named_parameters():
-        owner = next((i for i, b in enumerate(blocks) if pname.startswith(b + ".")), None)
-        if owner is None:
-            if seen_block == 0:
-                ids[pname] = 0
-            else:
-                pending.append(pname)
-            continue
-        for p in pending:
-            ids[p] = owner + 1
-        pending = []
-        ids[pname] = owner + 1
-        seen_block = owner + 1
-    for p in pending:
-        ids[p] = n + 1
-    return ids, n + 1
-
-
 def format_class_table(names: Sequence[str], ious: Sequence[float], title: str = "per-class IoU") -> str:
     """Two-column text table of per-class IoU (``nan``: class absent from prediction and ground truth)."""
     width = max([len("class"), *(len(n) for n in names)])
@@ -97,7 +57,7 @@ def format_class_table(names: Sequence[str], ious: Sequence[float], title: str =
     return "\n".join(lines)
 
 
-class SegmentationTask(L.LightningModule):
+class SegmentationTask(BaseTask):
     """Semantic segmentation with an SMP decoder on a vtdense backbone.
 
     Args:
@@ -129,6 +89,10 @@ class SegmentationTask(L.LightningModule):
         class_names: names for the per-class table; default: the datamodule's ``class_names``.
         num_vis: validation images saved as colourised predictions beside the ground truth.
     """
+
+    monitor = "val/mIoU"
+    monitor_mode = "max"
+    checkpoint_filename = "best-epoch{epoch}-step{step}"
 
     def __init__(
         self,
@@ -172,15 +136,15 @@ class SegmentationTask(L.LightningModule):
             raise ValueError(f"model.layer_decay must be in (0, 1], got {layer_decay}")
         self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1), persistent=False)
         self.register_buffer("std", torch.tensor(std).view(1, -1, 1, 1), persistent=False)
-        self._vis_count = 0
+        self._vis: list[tuple[int, np.ndarray]] = []
         self._class_names: list[str] | None = class_names
         self.configure_losses()
         if num_classes is not None:
-            self.configure_models()
-            self.configure_metrics()
+            self.build()
 
     def setup(self, stage: str) -> None:
         """Build the model now if ``num_classes`` comes from the datamodule."""
+        super().setup(stage)
         if self.hparams.num_classes is not None:
             return
         dm = getattr(self.trainer, "datamodule", None)
@@ -190,8 +154,7 @@ class SegmentationTask(L.LightningModule):
                 "model.num_classes is None and the datamodule gives no num_classes; set model.num_classes"
             )
         self.hparams.num_classes = n  # saved in checkpoints, so load_from_checkpoint builds the same model
-        self.configure_models()
-        self.configure_metrics()
+        self.build()
 
     # ------------------------------------------------------------------ build
     def configure_models(self) -> None:
@@ -224,18 +187,6 @@ class SegmentationTask(L.LightningModule):
             num_classes=c, ignore_index=ig, average="none", zero_division=float("nan")
         )
         self.val_acc = MulticlassAccuracy(num_classes=c, ignore_index=ig, average="micro")
-
-    def configure_callbacks(self) -> list[Callback]:
-        """Checkpoints: ``last.ckpt`` and the best by ``val/mIoU``."""
-        return [
-            ModelCheckpoint(
-                monitor="val/mIoU",
-                mode="max",
-                save_last=True,
-                filename="best-epoch{epoch}-step{step}",
-                auto_insert_metric_name=False,
-            )
-        ]
 
     @property
     def class_names(self) -> list[str]:
@@ -317,7 +268,7 @@ class SegmentationTask(L.LightningModule):
         h = self.hparams
         groups = param_groups(self, h.weight_decay)
         if h.layer_decay is not None:
-            groups = self._apply_layer_decay(groups, h.layer_decay)
+            groups = apply_layer_decay(groups, self.model.encoder.backbone, _BACKBONE_PREFIX, h.layer_decay)
         for g in groups:
             g["lr"] = h.lr * g.get("lr_mult", 1.0)
         optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
@@ -338,23 +289,6 @@ class SegmentationTask(L.LightningModule):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def _apply_layer_decay(self, groups: list[dict], decay: float) -> list[dict]:
-        ids, top = layer_ids(self.model.encoder.backbone)
-        out: list[dict] = []
-        for g in groups:
-            split: dict[int, dict] = {}
-            for p, name in zip(g["params"], g["param_names"]):
-                lid = ids.get(name[len(_BACKBONE_PREFIX):], top) if name.startswith(_BACKBONE_PREFIX) else top
-                sub = split.setdefault(
-                    lid, {**{k: v for k, v in g.items() if k not in ("params", "param_names")}, "params": [], "param_names": []}
-                )
-                sub["params"].append(p)
-                sub["param_names"].append(name)
-            for lid, sub in sorted(split.items()):
-                sub["lr_mult"] = g.get("lr_mult", 1.0) * decay ** (top - lid)
-                out.append(sub)
-        return out
-
     # ------------------------------------------------------------- validation
     def _predict_batch(self, batch: dict[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
         """Per image: (prediction at the label size, label) with padding removed."""
@@ -369,35 +303,36 @@ class SegmentationTask(L.LightningModule):
             pairs.append((li.argmax(1)[0], batch["mask"][i, :mh, :mw]))
         return pairs
 
-    def on_validation_epoch_start(self) -> None:
-        """Reset the count of saved visualisations."""
-        self._vis_count = 0
-
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
-        """Update the metrics (at the label's original resolution) and save a few visualisations."""
+        """Update the metrics (at the label's original resolution) and keep a few visualisations.
+
+        Repeats added by the distributed sampler are skipped, so every image counts once.
+        """
+        positions = self.eval_positions(batch["image"].shape[0])
         pairs = self._predict_batch(batch)
-        for pred, mask in pairs:
+        for i, ((pred, mask), pos) in enumerate(zip(pairs, positions)):
+            if pos is None:
+                continue
             self.val_miou.update(pred, mask)
             self.val_class_iou.update(pred, mask)
             self.val_acc.update(pred, mask)
-        if self._should_write() and self._vis_count < self.hparams.num_vis:
-            for i, (pred, mask) in enumerate(pairs):
-                if self._vis_count >= self.hparams.num_vis:
-                    break
-                self._save_visual(batch["image"][i], batch["image_size"][i], pred, mask)
-                self._vis_count += 1
+            if len(self._vis) < self.hparams.num_vis and not self.trainer.sanity_checking:
+                self._vis.append((pos, self._visual(batch["image"][i], batch["image_size"][i], pred, mask)))
 
     def on_validation_epoch_end(self) -> None:
-        """Log mIoU, pixel accuracy and per-class IoU; write ``metrics.json``."""
+        """Log mIoU, pixel accuracy and per-class IoU; write ``metrics.json`` and the visualisations."""
+        # compute() synchronises the metric states across ranks: every rank calls it.
         miou, acc, per_class = self.val_miou.compute(), self.val_acc.compute(), self.val_class_iou.compute()
         self.val_miou.reset()
         self.val_acc.reset()
         self.val_class_iou.reset()
+        vis = [v for part in self.gather(self._vis) for v in part]
+        self._vis = []
         names = self.class_names
         logs = {"val/aAcc": acc}
         logs.update({f"val/IoU.{n}": v for n, v in zip(names, per_class)})
-        self.log_dict(logs, batch_size=1)
-        self.log("val/mIoU", miou, batch_size=1, prog_bar=True)
+        self.log_dict(logs, batch_size=1, sync_dist=True)
+        self.log("val/mIoU", miou, batch_size=1, prog_bar=True, sync_dist=True)
         self.last_metrics = {
             "epoch": int(self.current_epoch),
             "step": int(self.global_step),
@@ -405,10 +340,10 @@ class SegmentationTask(L.LightningModule):
             "aAcc": float(acc),
             "per_class_iou": {n: (None if math.isnan(float(v)) else float(v)) for n, v in zip(names, per_class)},
         }
-        if self._should_write():
-            out = self._run_dir()
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "metrics.json").write_text(json.dumps(self.last_metrics, indent=2) + "\n")
+        if self.writes_outputs:
+            self.write_text("metrics.json", json.dumps(self.last_metrics, indent=2) + "\n")
+            for pos, panel in sorted(vis, key=lambda v: v[0])[: self.hparams.num_vis]:
+                self.write_image(f"predictions/val_{pos:03d}.png", panel)
             if self.trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING):
                 self.print_class_table()
 
@@ -424,17 +359,8 @@ class SegmentationTask(L.LightningModule):
         print(format_class_table(list(m["per_class_iou"]), values, f"{title}: mIoU {m['mIoU']:.4f}, aAcc {m['aAcc']:.4f}"))
 
     # ---------------------------------------------------------------- outputs
-    def _should_write(self) -> bool:
-        t = self._trainer
-        return t is not None and t.is_global_zero and not t.sanity_checking
-
-    def _run_dir(self) -> Path:
-        from vtdense.cli import run_dir
-
-        return run_dir(self.trainer)
-
-    def _save_visual(self, image: Tensor, image_size: Tensor, pred: Tensor, mask: Tensor) -> None:
-        """Write ``image | ground truth | prediction`` (colourised, ignore = black) as one PNG."""
+    def _visual(self, image: Tensor, image_size: Tensor, pred: Tensor, mask: Tensor) -> np.ndarray:
+        """``image | ground truth | prediction`` (colourised, ignore = black) as one uint8 ``(H, 3W, 3)`` array."""
         palette = color_palette(self.hparams.num_classes)
         ih, iw = (int(v) for v in image_size)
         mh, mw = mask.shape
@@ -450,7 +376,4 @@ class SegmentationTask(L.LightningModule):
             rgb[valid] = palette[lbl[valid]]
             return rgb
 
-        panel = np.concatenate([img, colour(mask), colour(pred)], axis=1)
-        out = self._run_dir() / "predictions"
-        out.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(panel).save(out / f"val_{self._vis_count:03d}.png")
+        return np.concatenate([img, colour(mask), colour(pred)], axis=1)

@@ -1,0 +1,225 @@
+"""The base every vtdense task shares: build hooks, checkpoints, and DDP-safe evaluation outputs.
+
+A task (:class:`~vtdense.tasks.detection.DetectionTask`,
+:class:`~vtdense.tasks.segmentation.SegmentationTask`) fills in three hooks, in the manner of
+torchgeo's ``BaseTask``:
+
+- :meth:`BaseTask.configure_models` builds ``self.model`` from the hyperparameters;
+- :meth:`BaseTask.configure_losses` builds loss modules (may do nothing);
+- :meth:`BaseTask.configure_metrics` builds torchmetrics objects.
+
+The base owns what every task needs to run on several processes:
+
+- **The run directory** is resolved once, in :meth:`setup`, on every rank (``trainer.log_dir``
+  is a broadcast under DDP, so it must never be read in rank-0-only code). :attr:`run_dir`
+  then reads the cached path.
+- **Evaluation samples counted once.** Lightning's ``DistributedSampler`` pads an evaluation
+  set by repeating samples so every rank gets the same count. :meth:`eval_keep` tells, for
+  each sample of an evaluation batch, whether it is a real sample or such a repeat, so that
+  metrics count every sample exactly once.
+- **Gathering** (:meth:`gather`) is a collective: every rank calls it.
+- **Writing** (:meth:`write_text`, :meth:`write_image`, :meth:`log_image`) happens on rank 0
+  only and calls no collective; files are written atomically (temporary file, then rename).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.trainer.states import RunningStage
+from torch import Tensor
+from torch.utils.data import DistributedSampler
+
+__all__ = ["BaseTask", "resolve_run_dir", "atomic_write_bytes"]
+
+
+def resolve_run_dir(trainer: Trainer) -> Path:
+    """The run directory: the logger's ``log_dir`` if there is one, else ``default_root_dir``.
+
+    Under DDP ``trainer.log_dir`` is a collective (a broadcast from rank 0): call this on every
+    rank at the same point, never from rank-0-only code.
+    """
+    log_dir = trainer.log_dir if trainer.loggers else None
+    return Path(log_dir if log_dir is not None else trainer.default_root_dir)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file and a rename, so a reader (or a
+    kill mid-write) never sees a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sampler_of(dataloader: Any) -> Any:
+    batch_sampler = getattr(dataloader, "batch_sampler", None)
+    sampler = getattr(batch_sampler, "sampler", None)
+    return sampler if sampler is not None else getattr(dataloader, "sampler", None)
+
+
+class BaseTask(LightningModule):
+    """LightningModule base with build hooks, a checkpoint policy and DDP-safe outputs.
+
+    Subclasses set :attr:`monitor` / :attr:`monitor_mode` (what the best checkpoint is chosen
+    by) and implement :meth:`configure_models`; ``self.model`` is the built network.
+    """
+
+    #: Logged metric the best checkpoint is chosen by.
+    monitor: str = "val/loss"
+    #: ``"max"`` or ``"min"``.
+    monitor_mode: str = "max"
+    #: File name pattern of the best checkpoint.
+    checkpoint_filename: str = "best-epoch{epoch:03d}"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model: torch.nn.Module | None = None
+        self._run_dir: Path | None = None
+        self._eval_position = 0
+
+    # ----------------------------------------------------------------- hooks
+    def configure_models(self) -> None:
+        """Build ``self.model`` from the hyperparameters."""
+        raise NotImplementedError
+
+    def configure_losses(self) -> None:
+        """Build loss modules (none by default: e.g. torchvision detectors compute their own)."""
+
+    def configure_metrics(self) -> None:
+        """Build the evaluation metrics (none by default)."""
+
+    def build(self) -> None:
+        """Build the model and the metrics (once the class count is known)."""
+        self.configure_models()
+        self.configure_metrics()
+
+    def setup(self, stage: str) -> None:
+        """Resolve the run directory on every rank (a collective under DDP)."""
+        if self._trainer is not None:
+            self._run_dir = resolve_run_dir(self.trainer)
+
+    def configure_callbacks(self) -> list[Callback]:
+        """``last.ckpt`` and the best checkpoint by :attr:`monitor` (none if the trainer has checkpointing off)."""
+        if self._trainer is not None and not self.trainer.checkpoint_callbacks:
+            return []
+        return [
+            ModelCheckpoint(
+                monitor=self.monitor,
+                mode=self.monitor_mode,
+                save_last=True,
+                filename=self.checkpoint_filename,
+                auto_insert_metric_name=False,
+            )
+        ]
+
+    # ------------------------------------------------------------ run directory
+    @property
+    def run_dir(self) -> Path:
+        """The run directory (resolved in :meth:`setup`; safe to read from rank-0-only code)."""
+        if self._run_dir is None:
+            if self._trainer is None:
+                raise RuntimeError("the task is not attached to a trainer: there is no run directory")
+            if self.trainer.world_size > 1:
+                raise RuntimeError("run_dir read before setup under a distributed strategy")
+            self._run_dir = resolve_run_dir(self.trainer)
+        return self._run_dir
+
+    @property
+    def writes_outputs(self) -> bool:
+        """Whether this process writes files: rank 0, outside the sanity check."""
+        t = self._trainer
+        return t is not None and t.is_global_zero and not t.sanity_checking
+
+    # ----------------------------------------------------- evaluation samples
+    def on_validation_epoch_start(self) -> None:
+        """Start counting this rank's evaluation samples."""
+        self._eval_position = 0
+
+    def on_test_epoch_start(self) -> None:
+        """Start counting this rank's evaluation samples."""
+        self._eval_position = 0
+
+    def _eval_sampler(self) -> Any:
+        t = self._trainer
+        if t is None:
+            return None
+        stage = t.state.stage
+        loaders = t.test_dataloaders if stage == RunningStage.TESTING else t.val_dataloaders
+        if isinstance(loaders, (list, tuple)):
+            loaders = loaders[0] if loaders else None
+        return _sampler_of(loaders) if loaders is not None else None
+
+    def eval_positions(self, n: int) -> list[int | None]:
+        """Dataset positions of the next ``n`` samples of this rank's evaluation stream, in the
+        order one process would see them; ``None`` for a repeat that ``DistributedSampler`` added
+        to even out the ranks. Call once per evaluation batch, in order.
+
+        The sampler lays out ``len(dataset)`` positions, padded to a multiple of the world size by
+        repeating the first ones, and rank ``r`` takes positions ``r, r + world, ...``; a position
+        at or past ``len(dataset)`` is a repeat.
+        """
+        start = self._eval_position
+        self._eval_position += n
+        sampler = self._eval_sampler()
+        if not isinstance(sampler, DistributedSampler):
+            return list(range(start, start + n))
+        world, rank = sampler.num_replicas, sampler.rank
+        real = len(sampler.dataset)  # type: ignore[arg-type]
+        positions = [rank + (start + i) * world for i in range(n)]
+        return [p if sampler.drop_last or p < real else None for p in positions]
+
+    def eval_keep(self, n: int) -> list[bool]:
+        """For the next ``n`` evaluation samples: ``False`` for a distributed-sampler repeat (see :meth:`eval_positions`)."""
+        return [p is not None for p in self.eval_positions(n)]
+
+    # ---------------------------------------------------------------- gathering
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order (``[obj]`` on one process). A collective: call it on every rank."""
+        if self._trainer is None or self.trainer.world_size <= 1 or not torch.distributed.is_initialized():
+            return [obj]
+        parts: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(parts, obj)
+        return parts
+
+    # ------------------------------------------------------------------ writing
+    def write_text(self, name: str, text: str) -> Path:
+        """Write ``run_dir/name`` atomically (call from rank 0; no collective)."""
+        path = self.run_dir / name
+        atomic_write_bytes(path, text.encode("utf-8"))
+        return path
+
+    def write_image(self, name: str, image: Tensor | np.ndarray) -> Path:
+        """Write a uint8 image (``[3, H, W]`` tensor or ``(H, W[, 3])`` array) as PNG to ``run_dir/name``."""
+        import io
+
+        from PIL import Image
+
+        if isinstance(image, Tensor):
+            image = image.detach().cpu().permute(1, 2, 0).numpy() if image.ndim == 3 else image.cpu().numpy()
+        buf = io.BytesIO()
+        Image.fromarray(np.ascontiguousarray(image)).save(buf, format="PNG")
+        path = self.run_dir / name
+        atomic_write_bytes(path, buf.getvalue())
+        return path
+
+    def log_image(self, tag: str, image: Tensor) -> None:
+        """Send a uint8 ``[3, H, W]`` image to the logger if it takes images (TensorBoard- or W&B-style)."""
+        if self.logger is None:
+            return
+        experiment = getattr(self.logger, "experiment", None)
+        if hasattr(experiment, "add_image"):
+            experiment.add_image(tag, image, self.global_step)
+        elif hasattr(self.logger, "log_image"):
+            from torchvision.transforms.functional import to_pil_image
+
+            self.logger.log_image(key=tag, images=[to_pil_image(image)], step=self.global_step)
