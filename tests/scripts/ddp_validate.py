@@ -1,0 +1,86 @@
+"""Validate (or briefly fit, then validate) a tiny vtdense task with N CPU processes (gloo).
+
+Used by ``tests/test_distributed.py``: Lightning's DDP launcher re-runs this file for every
+rank, so it must be a script. Rank 0 writes ``--out``: the validation metrics, the run
+directory and a checksum of the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+
+from vtdense.data.ade20k import ADE20KDataModule  # noqa: E402
+from vtdense.data.coco import COCODataModule  # noqa: E402
+from vtdense.tasks.detection import DetectionTask  # noqa: E402
+from vtdense.tasks.segmentation import SegmentationTask  # noqa: E402
+
+TINY_SWIN = {"embed_dim": 16, "depths": [1, 1, 1, 1], "num_heads": [1, 1, 2, 2], "window_size": 4}
+
+
+def build(task: str, data: str) -> tuple[L.LightningModule, L.LightningDataModule]:
+    """The tiny task and its datamodule, with weights fixed by the seed."""
+    torch.manual_seed(0)
+    if task == "detection":
+        model = DetectionTask(
+            backbone="swin_tiny", backbone_kwargs=TINY_SWIN, head="mask_rcnn", num_classes=3, fpn_channels=16,
+            slim_heads=True, mask_head_channels=16, mask_head_layers=1, box_head_width=32, rois_per_image=16,
+            anchor_sizes=[8, 16, 32, 64, 128], num_vis_images=3, lr=1e-3, warmup_steps=1,
+        )
+        dm = COCODataModule(root=data, batch_size=1, num_workers=0, train_scales=[80], max_size=128, test_scale=96)
+    else:
+        model = SegmentationTask(
+            backbone="swin_tiny", backbone_kwargs=TINY_SWIN, num_classes=8, arch_kwargs={"decoder_channels": 16},
+            aux_channels=16, num_vis=3, lr=1e-3, warmup_steps=1,
+        )
+        dm = ADE20KDataModule(
+            root=data, num_classes=8, batch_size=2, val_batch_size=1, num_workers=0, scale=(64, 48), crop_size=(32, 32)
+        )
+    return model, dm
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--task", choices=["detection", "segmentation"], required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--fit_steps", type=int, default=0, help="optimiser steps before validating (0: validate only)")
+    p.add_argument("--save_weights", help="write the task's state dict here after fitting")
+    p.add_argument("--load_weights", help="load the task's state dict from here before validating")
+    p.add_argument("--root_dir", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    model, dm = build(a.task, a.data)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=a.devices, strategy="ddp" if a.devices > 1 else "auto", precision=a.precision,
+        default_root_dir=a.root_dir, max_steps=max(a.fit_steps, 1), num_sanity_val_steps=0,
+        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+        limit_val_batches=0 if a.fit_steps else None,
+    )
+    if a.load_weights:
+        model.load_state_dict(torch.load(a.load_weights, weights_only=True))
+    if a.fit_steps:
+        trainer.fit(model, datamodule=dm)
+        trainer.limit_val_batches = 1.0
+        if a.save_weights and trainer.is_global_zero:
+            torch.save(model.state_dict(), a.save_weights)
+    results = trainer.validate(model, datamodule=dm, verbose=False)
+    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    if trainer.is_global_zero:
+        payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "world": trainer.world_size}
+        Path(a.out).write_text(json.dumps(payload))
+
+
+if __name__ == "__main__":
+    main()

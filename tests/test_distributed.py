@@ -1,0 +1,107 @@
+"""Two real CPU processes (gloo DDP) against one: metrics and outputs are the same.
+
+Every test launches ``tests/scripts/ddp_validate.py`` (or a recipe) as a subprocess; Lightning's
+DDP launcher starts the second rank. The validation sets have 5 images, so the distributed
+sampler pads rank 1 with a repeat that must not be counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+from vtdense.data.synthetic import make_synthetic_coco
+from vtdense.data.synthetic_seg import generate_synthetic_segmentation
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "ddp_validate.py"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"):
+        env.pop(key, None)
+    return env
+
+
+def _run(tmp: Path, task: str, data: Path, devices: int, *extra: str) -> dict:
+    out = tmp / f"{task}_{devices}_{len(extra)}.json"  # one output per kind of run
+    cmd = [sys.executable, str(SCRIPT), "--task", task, "--data", str(data), "--devices", str(devices),
+           "--root_dir", str(tmp / f"run_{task}_{devices}_{len(extra)}"), "--out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def coco5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_synthetic_coco(
+        tmp_path_factory.mktemp("ddp") / "coco", num_train=4, num_val=5, size_range=(64, 96), num_classes=3,
+        max_objects=4, seed=3,
+    )
+
+
+@pytest.fixture(scope="module")
+def ade5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate_synthetic_segmentation(
+        tmp_path_factory.mktemp("ddp") / "ade", num_train=4, num_val=5, size_range=(48, 64), seed=4
+    )
+
+
+def _numbers(metrics: dict) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()}
+
+
+def test_detection_metrics_two_processes_equal_one(coco5: Path, tmp_path: Path) -> None:
+    weights = tmp_path / "trained.pt"
+    one = _run(tmp_path, "detection", coco5, 1, "--fit_steps", "40", "--save_weights", str(weights))
+    two = _run(tmp_path, "detection", coco5, 2, "--load_weights", str(weights))
+    assert two["world"] == 2 and one["checksum"] == two["checksum"]
+    m1, m2 = _numbers(one["metrics"]), _numbers(two["metrics"])
+    assert set(m1) == set(m2) and "val/segm_mAP" in m1
+    for key in m1:
+        assert m2[key] == pytest.approx(m1[key], abs=1e-6), key
+    assert m1["val/bbox_mAR100"] > 0  # the comparison is not between empty results
+    # the results files hold each of the 5 images once, with the same detections
+    for iou in ("bbox", "segm"):
+        r1 = json.loads((Path(one["run_dir"]) / f"{iou}.json").read_text())
+        r2 = json.loads((Path(two["run_dir"]) / f"{iou}.json").read_text())
+        assert len({r["image_id"] for r in r1}) == 5 and len(r1) == len(r2)
+        assert [(r["image_id"], r["category_id"]) for r in r1] == [(r["image_id"], r["category_id"]) for r in r2]
+        assert [r["score"] for r in r1] == pytest.approx([r["score"] for r in r2], abs=1e-6)
+        if iou == "bbox":
+            flat = lambda rs: [v for r in rs for v in r["bbox"]]  # noqa: E731
+            assert flat(r1) == pytest.approx(flat(r2), abs=1e-4)
+    # pycocotools on the 2-process bbox.json gives the logged mAP
+    gt = COCO(str(coco5 / "annotations" / "instances_val2017.json"))
+    ev = COCOeval(gt, gt.loadRes(str(Path(two["run_dir"]) / "bbox.json")), "bbox")
+    ev.evaluate(), ev.accumulate(), ev.summarize()
+    assert ev.stats[0] == pytest.approx(m2["val/bbox_mAP"], abs=1e-6)
+    pngs = sorted(p.name for p in (Path(two["run_dir"]) / "predictions").glob("*.png"))
+    assert len(pngs) == 3
+
+
+def test_segmentation_metrics_two_processes_equal_one(ade5: Path, tmp_path: Path) -> None:
+    one = _run(tmp_path, "segmentation", ade5, 1)
+    two = _run(tmp_path, "segmentation", ade5, 2)
+    assert two["world"] == 2 and one["checksum"] == two["checksum"]
+    m1, m2 = _numbers(one["metrics"]), _numbers(two["metrics"])
+    assert set(m1) == set(m2) and "val/mIoU" in m1
+    for key in m1:
+        if m1[key] != m1[key]:  # nan: class absent everywhere
+            assert m2[key] != m2[key], key
+        else:
+            assert m2[key] == pytest.approx(m1[key], abs=1e-6), key
+    j1 = json.loads((Path(one["run_dir"]) / "metrics.json").read_text())
+    j2 = json.loads((Path(two["run_dir"]) / "metrics.json").read_text())
+    assert j2["mIoU"] == pytest.approx(j1["mIoU"], abs=1e-6) and j2["per_class_iou"] == pytest.approx(j1["per_class_iou"])
+    # the same 3 images are drawn, named by their dataset position
+    names = lambda r: sorted(p.name for p in (Path(r["run_dir"]) / "predictions").glob("*.png"))  # noqa: E731
+    assert names(one) == names(two) == ["val_000.png", "val_001.png", "val_002.png"]
