@@ -75,8 +75,9 @@ logger = logging.getLogger(__name__)
 Transform = Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]]
 
 
-#: Images with a longer side are decoded at a reduced size (long side still at least this).
-DEFAULT_MAX_DECODE_SIDE = 4096
+#: Images with a longer side are decoded at a reduced size (long side still at least this); above the
+#: default long-side cap of the transforms (1333); :class:`COCODataModule` raises it to its ``max_size``.
+DEFAULT_MAX_DECODE_SIDE = 2048
 
 
 class COCODatasetError(ValueError):
@@ -687,7 +688,8 @@ class COCODataModule(L.LightningDataModule):
             transforms = detection_train_transforms(self.train_scales, self.max_size, self.flip_prob)
         else:
             transforms = detection_eval_transforms(self.test_scale, self.max_size)
-        ds = COCODetection(img, ann, transforms, train=train, min_box_size=self.min_box_size)
+        ds = COCODetection(img, ann, transforms, train=train, min_box_size=self.min_box_size,
+                           max_decode_side=max(DEFAULT_MAX_DECODE_SIDE, int(self.max_size)))
         if self._categories is None:
             self._categories, self._categories_source = ds.categories, ann
         ref_ids = [c["id"] for c in self._categories]
