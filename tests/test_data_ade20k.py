@@ -94,7 +94,7 @@ def test_class_above_count_names_the_file(ade_root: Path) -> None:
     label[0, 0] = NUM_CLASSES + 1  # raw value 9 -> class 8 after reduction, count is 8
     path = _corrupt(ade_root, label)
     with pytest.raises(ValueError, match=f"label map {path} holds class value 9, above the class count.*num_classes=8"):
-        SegmentationFolder(ade_root, "training", NUM_CLASSES)[1]
+        SegmentationFolder(ade_root, "training", NUM_CLASSES, on_bad_sample="error")[1]
 
 
 def test_missing_label_file_is_reported_up_front(ade_root: Path) -> None:

@@ -314,7 +314,7 @@ def test_image_size_mismatch_names_the_file(coco_root: Path, load_ann: Callable[
                                             write_ann: Callable[..., Path]) -> None:
     ann = load_ann("val2017")
     ann["images"][0]["height"] += 7
-    ds = COCODetection(coco_root / "val2017", write_ann(ann))
+    ds = COCODetection(coco_root / "val2017", write_ann(ann), on_bad_sample="error")
     with pytest.raises(COCODatasetError, match=rf"{ann['images'][0]['file_name']} \(image id {ann['images'][0]['id']}\)"):
         ds[0]
 

@@ -31,6 +31,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
+from vtdense.data.errors import BadSampleError, SkipOnBadSample
+from vtdense.data.images import decode_image
 from vtdense.data.synthetic_seg import generate_synthetic_segmentation
 
 __all__ = [
@@ -53,10 +55,20 @@ IGNORE_INDEX = 255
 ADE20K_NUM_CLASSES = 150
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 SYNTHETIC_NAME = "synthetic_ade20k_v1"
+#: Images with a longer side are decoded at a reduced size (long side still at least this).
+DEFAULT_MAX_DECODE_SIDE = 4096
+_LABEL_MODES = ("L", "P", "I", "I;16")
 
 
-class SegmentationFolder(Dataset):
+class SegmentationFolder(SkipOnBadSample, Dataset):
     """Images and same-named PNG label maps in two folders.
+
+    Checked at construction: the folders exist, hold images, and every image has its label map.
+    Checked at load time (skipped with a counted warning, see :mod:`vtdense.data.errors`): the
+    image decodes (:func:`vtdense.data.images.decode_image`: EXIF applied, any mode to RGB), the
+    label map decodes, is single-channel, has the image's size and holds no class above the count.
+    Images whose long side exceeds ``max_decode_side`` are decoded reduced and their label maps
+    reduced to match (nearest neighbour), so such an image is also evaluated at the reduced size.
 
     Args:
         root: dataset root.
@@ -67,6 +79,9 @@ class SegmentationFolder(Dataset):
         ann_dir: label-map folder relative to ``root``, ``{split}`` is substituted.
         transform: callable ``(image uint8 CHW, mask int64 HW) -> dict``.
         ignore_index: label of ignored pixels.
+        max_decode_side: see above (``None``: always full size).
+        on_bad_sample: ``"skip"`` (substitute the next loadable sample, warn and record in
+            ``skipped`` / ``skip_file``) or ``"error"`` (raise :class:`~vtdense.data.errors.BadSampleError`).
 
     Raises:
         FileNotFoundError: a missing folder, an empty image folder, or an image without its label map.
@@ -82,7 +97,11 @@ class SegmentationFolder(Dataset):
         ann_dir: str = "annotations/{split}",
         transform: Callable[[Tensor, Tensor], dict[str, Any]] | None = None,
         ignore_index: int = IGNORE_INDEX,
+        max_decode_side: int | None = DEFAULT_MAX_DECODE_SIDE,
+        on_bad_sample: str = "skip",
     ) -> None:
+        self._init_skipping(on_bad_sample)
+        self.max_decode_side = max_decode_side
         self.root = Path(root)
         self.num_classes = num_classes
         self.reduce_zero_label = reduce_zero_label
@@ -109,19 +128,38 @@ class SegmentationFolder(Dataset):
         return len(self.images)
 
     def load(self, index: int) -> tuple[Tensor, Tensor]:
-        """Image (uint8 3xHxW) and checked label map (int64 HxW, reduced if configured)."""
+        """Image (uint8 3xHxW) and checked label map (int64 HxW, reduced if configured).
+
+        Raises:
+            BadSampleError: the image or label map cannot be decoded, the label map is not
+                single-channel, differs in size from its image or holds a class above the count.
+        """
         img_path, ann_path = self.images[index], self.labels[index]
-        with Image.open(img_path) as im:
-            image = np.asarray(im.convert("RGB"))
-        with Image.open(ann_path) as im:
-            if im.mode not in ("L", "P", "I", "I;16"):
-                raise ValueError(f"label map {ann_path} has mode {im.mode!r}; expected a single-channel PNG (L or P)")
-            label = np.asarray(im).astype(np.int64)
-        if label.shape != image.shape[:2]:
-            raise ValueError(
-                f"label map {ann_path} is {label.shape[1]}x{label.shape[0]} (WxH) but its image {img_path} is "
-                f"{image.shape[1]}x{image.shape[0]}"
-            )
+        decoded = decode_image(img_path, max_side=self.max_decode_side)
+        image = np.asarray(decoded.image)
+        try:
+            with Image.open(ann_path) as im:
+                if im.mode not in _LABEL_MODES:
+                    raise BadSampleError(
+                        f"label map {ann_path} has mode {im.mode!r}; expected a single-channel PNG (L or P)", file=ann_path
+                    )
+                lw, lh = im.size
+                if (lh, lw) != decoded.full_size:
+                    fh, fw = decoded.full_size
+                    exif = f" after its EXIF orientation {decoded.orientation}" if decoded.orientation != 1 else ""
+                    raise BadSampleError(
+                        f"label map {ann_path} is {lw}x{lh} (WxH) but its image {img_path} is {fw}x{fh}{exif}",
+                        file=ann_path,
+                    )
+                if image.shape[:2] != (lh, lw):  # the image was decoded reduced: reduce the labels alike
+                    im = im.resize((image.shape[1], image.shape[0]), Image.Resampling.NEAREST)
+                label = np.asarray(im).astype(np.int64)
+        except BadSampleError:
+            raise
+        except MemoryError:
+            raise
+        except Exception as e:  # missing, truncated or undecodable PNG
+            raise BadSampleError(f"label map {ann_path} cannot be decoded: {type(e).__name__}: {e}", file=ann_path) from None
         if self.reduce_zero_label:
             label = np.where((label == 0) | (label == self.ignore_index), self.ignore_index + 1, label) - 1
         valid = label != self.ignore_index
@@ -129,14 +167,19 @@ class SegmentationFolder(Dataset):
             top = int(label[valid].max())
             if top >= self.num_classes or int(label[valid].min()) < 0:
                 shown = top + 1 if self.reduce_zero_label else top
-                raise ValueError(
+                raise BadSampleError(
                     f"label map {ann_path} holds class value {shown}, above the class count "
                     f"(num_classes={self.num_classes}, reduce_zero_label={self.reduce_zero_label}, "
-                    f"ignore_index={self.ignore_index})"
+                    f"ignore_index={self.ignore_index})",
+                    file=ann_path,
                 )
         return torch.from_numpy(image.copy()).permute(2, 0, 1).contiguous(), torch.from_numpy(label)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
+        """A transformed sample; a bad one is replaced by the next loadable index (see :meth:`load`)."""
+        return self._load_or_substitute(index, self._sample, len(self.images))
+
+    def _sample(self, index: int) -> dict[str, Any]:
         image, mask = self.load(index)
         if self.transform is None:
             return {"image": image.float() / 255, "mask": mask, "image_size": tuple(image.shape[-2:])}

@@ -14,6 +14,15 @@ list of ``float32`` ``[3, h, w]`` tensors in ``[0, 1]`` (sizes differ) and each 
 Training splits drop crowd instances; evaluation splits keep them (``iscrowd=1``). An instance
 whose box shrinks below 1 px under the resize is dropped from every per-instance key (``orig_*``
 included), so all of them keep one length ``N``.
+
+Bad input (see the README's "Bad input" table): the annotation file is checked when the dataset
+is built (one :class:`COCODatasetError` naming the file, image id or annotation id); boxes are
+clipped to the image as torchvision's reference ``ConvertCocoPolysToMask`` and detectron2 do, and
+annotations left empty by clipping, or of negative width/height, are dropped with one counted
+warning and listed in ``skipped``. Images are decoded by :func:`vtdense.data.images.decode_image`
+(EXIF orientation applied, any pixel mode to RGB, huge images decoded reduced); an image that fails
+to decode, or whose displayed size differs from the JSON's, is skipped at load time with a counted
+warning (:class:`vtdense.data.errors.SkipOnBadSample`).
 """
 
 from __future__ import annotations
@@ -38,6 +47,8 @@ from torch.utils.data import DataLoader, Dataset
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as TF
 
+from vtdense.data.errors import BadSampleError, SkipOnBadSample, skip_record
+from vtdense.data.images import decode_image
 from vtdense.data.synthetic import synthetic_coco_root
 from vtdense.data.transforms import (
     DEFAULT_MAX_SIZE,
@@ -49,8 +60,10 @@ from vtdense.data.transforms import (
 )
 
 __all__ = [
+    "DEFAULT_MAX_DECODE_SIDE",
     "COCODataModule",
     "COCODatasetError",
+    "COCOImageError",
     "COCODetection",
     "collate_detection",
     "load_coco_json",
@@ -62,8 +75,17 @@ logger = logging.getLogger(__name__)
 Transform = Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]]
 
 
+#: Images with a longer side are decoded at a reduced size (long side still at least this); above the
+#: default long-side cap of the transforms (1333); :class:`COCODataModule` raises it to its ``max_size``.
+DEFAULT_MAX_DECODE_SIDE = 2048
+
+
 class COCODatasetError(ValueError):
     """A COCO annotation file, or one of its entries, is invalid."""
+
+
+class COCOImageError(COCODatasetError, BadSampleError):
+    """One image cannot be used (undecodable, or its size disagrees with the annotation file)."""
 
 
 def load_coco_json(ann_file: str | os.PathLike[str]) -> dict[str, Any]:
@@ -73,11 +95,12 @@ def load_coco_json(ann_file: str | os.PathLike[str]) -> dict[str, Any]:
         ann_file: Path to the JSON file.
 
     Returns:
-        The parsed dict, with ``annotations`` defaulting to an empty list.
+        The parsed dict.
 
     Raises:
         FileNotFoundError: If the file does not exist.
-        COCODatasetError: If it is not valid JSON or lacks ``images``/``categories`` lists.
+        COCODatasetError: If it is not valid JSON or lacks ``images``/``categories``/``annotations``
+            lists (an image-info file such as ``image_info_test2017.json`` has no annotations).
     """
     path = Path(ann_file)
     if not path.is_file():
@@ -89,11 +112,14 @@ def load_coco_json(ann_file: str | os.PathLike[str]) -> dict[str, Any]:
         raise COCODatasetError(f"{path} is not a valid COCO JSON file: {e}") from None
     if not isinstance(data, dict):
         raise COCODatasetError(f"{path} is not a valid COCO JSON file: top level is {type(data).__name__}, not an object")
-    for key in ("images", "categories"):
-        if not isinstance(data.get(key), list):
-            raise COCODatasetError(f"{path} is not a valid COCO JSON file: missing list {key!r}")
-    if not isinstance(data.setdefault("annotations", []), list):
-        raise COCODatasetError(f"{path} is not a valid COCO JSON file: 'annotations' is not a list")
+    for key in ("images", "categories", "annotations"):
+        if key not in data:
+            hint = " (an image-info file without ground truth? vtdense needs an instances file)" if key == "annotations" else ""
+            raise COCODatasetError(f"{path} is not a valid COCO JSON file: missing list {key!r}{hint}")
+        if not isinstance(data[key], list):
+            raise COCODatasetError(
+                f"{path} is not a valid COCO JSON file: {key!r} is a {type(data[key]).__name__}, not a list"
+            )
     return data
 
 
@@ -123,23 +149,24 @@ def read_coco_categories(ann_file: str | os.PathLike[str]) -> list[dict[str, Any
     return _parse_categories(load_coco_json(ann_file), Path(ann_file))
 
 
-def _to_rgb(img: Image.Image) -> Image.Image:
-    """Convert grayscale, RGBA, palette (with or without transparency) ... to RGB."""
-    if img.mode == "RGB":
-        return img
-    if img.mode == "P" and "transparency" in img.info:
-        img = img.convert("RGBA")
-    return img.convert("RGB")
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-class COCODetection(Dataset):
+class COCODetection(SkipOnBadSample, Dataset):
     """COCO-format instance detection / segmentation dataset.
 
-    The annotation file is validated at construction: invalid JSON, unknown category ids,
-    malformed boxes and missing image files raise one clear error before training starts.
-    Degenerate annotations (box side ``<= min_box_size`` after clipping to the image, or
-    ``area <= 0``) are dropped with one warning giving their count. Images without annotations
-    are kept. On training splits crowd annotations are dropped.
+    The annotation file is validated at construction: invalid JSON, no images, duplicate image or
+    annotation ids, unknown category ids, malformed boxes and missing image files raise one clear
+    error before training starts. Boxes are clipped to the image. Annotations with a negative
+    width or height are dropped from every split; degenerate ones (box side ``<= min_box_size``
+    after clipping, or ``area <= 0``) from training splits (evaluation keeps them, as pycocotools
+    does); both with one warning giving the counts, and listed in ``skipped``. Images without
+    annotations are kept. On training splits crowd annotations are dropped.
+
+    At load time an image that cannot be decoded, or whose displayed size (after its EXIF
+    orientation) differs from the JSON's ``height``/``width``, is skipped: the next loadable image
+    takes its place, with a counted warning and a record (see :mod:`vtdense.data.errors`).
 
     Args:
         image_dir: Folder holding the images named by ``file_name``.
@@ -148,7 +175,12 @@ class COCODetection(Dataset):
             :mod:`vtdense.data.transforms`. ``None`` keeps the original size.
         train: Training split (drop crowds) or evaluation split (add ``orig_*`` ground truth).
         min_box_size: Annotations whose clipped box is at most this many pixels wide or high are
-            dropped at load time.
+            dropped from training splits.
+        max_decode_side: Images with a longer side are decoded at a reduced size whose long side
+            is at least this (JPEG: DCT scaling, never the full pixels); boxes and masks follow.
+            ``None`` always decodes at full size.
+        on_bad_sample: ``"skip"`` (substitute the next loadable image, warn and record) or
+            ``"error"`` (raise :class:`COCOImageError`).
 
     Attributes:
         coco: The pycocotools :class:`~pycocotools.coco.COCO` object of the (unfiltered) file.
@@ -159,7 +191,11 @@ class COCODetection(Dataset):
         label_to_category_id: ``{label: category_id}`` for labels ``1..num_classes``.
         category_id_to_label: The inverse mapping.
         category_names: Names indexed by label; entry 0 is ``"__background__"``.
-        num_dropped: Number of degenerate annotations dropped at load time.
+        num_dropped: Number of annotations dropped at construction.
+        skipped: Skip records (dicts with ``file``, ``image_id``, ``annotation_id``, ``reason``,
+            ``when``): dropped annotations, and images skipped at load time in this process.
+        skip_file: When set (a path from :func:`vtdense.data.errors.write_skip_report`), load-time
+            skips are appended there from every process.
     """
 
     def __init__(
@@ -170,7 +206,13 @@ class COCODetection(Dataset):
         train: bool = False,
         *,
         min_box_size: float = 1.0,
+        max_decode_side: int | None = DEFAULT_MAX_DECODE_SIDE,
+        on_bad_sample: str = "skip",
     ) -> None:
+        self._init_skipping(on_bad_sample)
+        if max_decode_side is not None and max_decode_side < 1:
+            raise ValueError(f"max_decode_side must be a positive int or None, got {max_decode_side}")
+        self.max_decode_side = max_decode_side
         self.image_dir = Path(image_dir)
         self.ann_file = Path(ann_file)
         self.transforms = transforms
@@ -189,24 +231,51 @@ class COCODetection(Dataset):
             if not isinstance(img, dict) or any(k not in img for k in ("id", "file_name", "height", "width")):
                 raise COCODatasetError(f"{self.ann_file}: image entry {img!r} needs id, file_name, height, width")
             if img["id"] in self._images:
-                raise COCODatasetError(f"{self.ann_file}: duplicate image id {img['id']}")
+                raise COCODatasetError(
+                    f"{self.ann_file}: duplicate image id {img['id']} ({self._images[img['id']]['file_name']} "
+                    f"and {img['file_name']})"
+                )
+            if not all(_is_number(img[k]) and img[k] >= 1 and img[k] == int(img[k]) for k in ("height", "width")):
+                raise COCODatasetError(
+                    f"{self.ann_file}: image id {img['id']} ({img['file_name']}) has height={img['height']!r}, "
+                    f"width={img['width']!r}; both must be positive integers"
+                )
             self._images[img["id"]] = img
+        if not self._images:
+            raise COCODatasetError(f"{self.ann_file}: the dataset is empty ('images' lists no image)")
         self.ids: list[int] = list(self._images)
         self._anns: dict[int, list[dict[str, Any]]] = {i: [] for i in self.ids}
         self.num_dropped = 0
         num_crowd = 0
+        dropped: dict[str, int] = {}
+        seen_ann_ids: set[Any] = set()
         for ann in data["annotations"]:
-            kept, degenerate = self._check_annotation(ann)
-            if degenerate and train:
+            kept, problem = self._check_annotation(ann)
+            if ann["id"] in seen_ann_ids:
+                raise COCODatasetError(
+                    f"{self.ann_file}: duplicate annotation id {ann['id']!r} (pycocotools would keep only one of them)"
+                )
+            seen_ann_ids.add(ann["id"])
+            if problem is not None and (train or problem.startswith("negative")):
                 self.num_dropped += 1
+                dropped[problem] = dropped.get(problem, 0) + 1
+                self.skipped.append(
+                    skip_record(
+                        self.ann_file, f"annotation dropped: {problem}", image_id=ann["image_id"],
+                        annotation_id=ann["id"], when="start-up",
+                    )
+                )
             elif train and kept["iscrowd"]:
                 num_crowd += 1
             else:
                 self._anns[ann["image_id"]].append(kept)
         if self.num_dropped:
+            first = self.skipped[0]
             logger.warning(
-                "%s: dropped %d degenerate annotations (box side <= %g px or zero area)",
-                self.ann_file, self.num_dropped, self.min_box_size,
+                "%s: dropped %d degenerate annotations (%s; first: annotation %s of image id %s); "
+                "they are listed in the dataset's skip report",
+                self.ann_file, self.num_dropped, ", ".join(f"{n} {k}" for k, n in dropped.items()),
+                first["annotation_id"], first["image_id"],
             )
         if num_crowd:
             logger.debug("%s: removed %d crowd annotations from the training split", self.ann_file, num_crowd)
@@ -221,11 +290,14 @@ class COCODetection(Dataset):
         """Number of object classes (background excluded)."""
         return len(self.categories)
 
-    def _check_annotation(self, ann: Any) -> tuple[dict[str, Any], bool]:
-        """Validate one annotation; return a normalised copy and whether it is degenerate.
+    def _check_annotation(self, ann: Any) -> tuple[dict[str, Any], str | None]:
+        """Validate one annotation; return a normalised copy and what is wrong with its box, if anything.
 
-        Degenerate annotations are dropped from training splits only: evaluation splits keep
-        every ground-truth annotation, so metrics agree with pycocotools run on the JSON file.
+        Boxes are clipped to the image. The problem is ``"negative width or height"`` (dropped
+        from every split: no tool can score such a box) or ``"empty after clipping to the image"``
+        / ``"box side <= min_box_size"`` / ``"zero area"`` (dropped from training splits only:
+        evaluation splits keep every ground-truth annotation, so metrics agree with pycocotools
+        run on the JSON file).
         """
         if not isinstance(ann, dict) or "id" not in ann:
             raise COCODatasetError(f"{self.ann_file}: annotation entry {ann!r} has no 'id'")
@@ -243,17 +315,32 @@ class COCODetection(Dataset):
         if (
             not isinstance(bbox, (list, tuple))
             or len(bbox) != 4
-            or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in bbox)
+            or not all(_is_number(v) for v in bbox)
         ):
-            raise COCODatasetError(f"{self.ann_file}: annotation {ann_id} has an invalid bbox {bbox!r}")
+            raise COCODatasetError(
+                f"{self.ann_file}: annotation {ann_id} has an invalid bbox {bbox!r} (image id {ann['image_id']}); "
+                "expected [x, y, width, height] of finite numbers"
+            )
+        if "area" in ann and not _is_number(ann["area"]):
+            raise COCODatasetError(f"{self.ann_file}: annotation {ann_id} has an invalid area {ann['area']!r}")
         img = self._images[ann["image_id"]]
         x0 = min(max(float(bbox[0]), 0.0), float(img["width"]))
         y0 = min(max(float(bbox[1]), 0.0), float(img["height"]))
         x1 = min(max(float(bbox[0] + bbox[2]), 0.0), float(img["width"]))
         y1 = min(max(float(bbox[1] + bbox[3]), 0.0), float(img["height"]))
         area = float(ann.get("area", (x1 - x0) * (y1 - y0)))
-        degenerate = x1 - x0 <= self.min_box_size or y1 - y0 <= self.min_box_size or area <= 0
-        return {**ann, "xyxy": (x0, y0, x1, y1), "area": area, "iscrowd": int(ann.get("iscrowd", 0))}, degenerate
+        raw = (float(bbox[0]), float(bbox[1]), float(bbox[0] + bbox[2]), float(bbox[1] + bbox[3]))
+        problem: str | None = None
+        if bbox[2] < 0 or bbox[3] < 0:
+            problem = "negative width or height"
+        elif x1 <= x0 or y1 <= y0:
+            problem = "empty after clipping to the image" if bbox[2] > 0 and bbox[3] > 0 else "zero width or height"
+        elif x1 - x0 <= self.min_box_size or y1 - y0 <= self.min_box_size:
+            problem = f"box side <= {self.min_box_size:g} px"
+        elif area <= 0:
+            problem = "zero area"
+        kept = {**ann, "xyxy": (x0, y0, x1, y1), "raw_xyxy": raw, "area": area, "iscrowd": int(ann.get("iscrowd", 0))}
+        return kept, problem
 
     def _check_files(self) -> None:
         """Fail early, naming the first missing image, when image files are absent."""
@@ -269,20 +356,35 @@ class COCODetection(Dataset):
         """Number of images."""
         return len(self.ids)
 
-    def _decode_mask(self, ann: dict[str, Any], height: int, width: int) -> np.ndarray:
-        """Binary ``uint8 [H, W]`` mask of an annotation (polygons, RLE or uncompressed RLE)."""
+    def _decode_mask(
+        self, ann: dict[str, Any], height: int, width: int, scale: tuple[float, float] = (1.0, 1.0)
+    ) -> np.ndarray:
+        """Binary ``uint8 [h, w]`` mask of an annotation (polygons, RLE or uncompressed RLE).
+
+        ``height``/``width`` are the image's size in the annotation file; the mask comes out at
+        ``(round(height * sy), round(width * sx))`` for ``scale = (sy, sx)`` (reduced huge images).
+        """
         seg = ann.get("segmentation")
+        sy, sx = scale
+        out_h, out_w = (height, width) if scale == (1.0, 1.0) else (round(height * sy), round(width * sx))
         try:
             if isinstance(seg, list) and any(isinstance(p, list) and len(p) >= 6 for p in seg):
                 polys = [p for p in seg if isinstance(p, list) and len(p) >= 6]
-                rle = mask_utils.merge(mask_utils.frPyObjects(polys, height, width))
+                if (out_h, out_w) != (height, width):  # scale the polygons, decode at the reduced size
+                    polys = [[v * (sx if i % 2 == 0 else sy) for i, v in enumerate(p)] for p in polys]
+                rle = mask_utils.merge(mask_utils.frPyObjects(polys, out_h, out_w))
             elif isinstance(seg, dict):
                 if list(seg.get("size", [])) != [height, width]:
                     raise COCODatasetError(f"RLE size {seg.get('size')} differs from the image size {[height, width]}")
                 rle = mask_utils.frPyObjects(seg, height, width) if isinstance(seg.get("counts"), list) else seg
+                full = np.ascontiguousarray(mask_utils.decode(rle), dtype=np.uint8)
+                if (out_h, out_w) == (height, width):
+                    return full
+                return np.asarray(Image.fromarray(full).resize((out_w, out_h), Image.Resampling.NEAREST))
             else:  # no usable segmentation: fall back to the box
-                mask = np.zeros((height, width), dtype=np.uint8)
+                mask = np.zeros((out_h, out_w), dtype=np.uint8)
                 x0, y0, x1, y1 = ann["xyxy"]
+                x0, x1, y0, y1 = x0 * sx, x1 * sx, y0 * sy, y1 * sy
                 mask[int(y0) : int(math.ceil(y1)), int(x0) : int(math.ceil(x1))] = 1
                 return mask
             return np.ascontiguousarray(mask_utils.decode(rle), dtype=np.uint8)
@@ -292,32 +394,59 @@ class COCODetection(Dataset):
                 f"(image id {ann['image_id']}): {e}"
             ) from None
 
-    def _load_image(self, info: dict[str, Any]) -> Image.Image:
-        """Open an image as RGB and check its size against the annotation file."""
+    def _load_image(self, info: dict[str, Any]) -> tuple[Image.Image, tuple[float, float]]:
+        """Decode an image as RGB (EXIF applied, reduced if huge); check its size against the JSON.
+
+        Returns:
+            The image and its scale ``(sy, sx)`` relative to the JSON's size.
+
+        Raises:
+            COCOImageError: The file cannot be decoded, or its displayed size is not the JSON's.
+        """
         path = self.image_dir / info["file_name"]
         try:
-            with Image.open(path) as raw:
-                img = _to_rgb(raw)
-                img.load()
-        except OSError as e:
-            raise COCODatasetError(f"cannot read image {path} (image id {info['id']}): {e}") from None
-        if (img.height, img.width) != (int(info["height"]), int(info["width"])):
-            raise COCODatasetError(
-                f"image {path} (image id {info['id']}) is {img.height}x{img.width} but {self.ann_file} "
-                f"says {info['height']}x{info['width']}"
-            )
-        return img
+            decoded = decode_image(path, max_side=self.max_decode_side, image_id=info["id"])
+        except BadSampleError as e:
+            raise COCOImageError(str(e), file=path, image_id=info["id"]) from None
+        expected = (int(info["height"]), int(info["width"]))
+        if decoded.full_size != expected:
+            (h, w), (sh, sw) = decoded.full_size, decoded.stored_size
+            if decoded.orientation != 1:
+                detail = (
+                    f"is stored as {sh}x{sw} (HxW) with EXIF orientation {decoded.orientation}, so it is displayed "
+                    f"as {h}x{w}, but {self.ann_file} says {expected[0]}x{expected[1]}. COCO sizes and boxes describe "
+                    "the displayed image (EXIF applied, as detectron2 and OpenCV load it)"
+                )
+                if (sh, sw) == expected:
+                    detail += "; this file's annotations seem made on the stored pixels: rotate the image files or fix the JSON"
+            else:
+                detail = f"is {h}x{w} (HxW) but {self.ann_file} says {expected[0]}x{expected[1]}"
+            raise COCOImageError(f"image {path} (image id {info['id']}) {detail}", file=path, image_id=info["id"])
+        return decoded.image, decoded.scale
 
     def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Any]]:
-        """Load, transform and return ``(image, target)``; see the module docstring."""
+        """Load, transform and return ``(image, target)``; see the module docstring.
+
+        An image that cannot be used is skipped (``on_bad_sample="skip"``): the next loadable
+        index is returned in its place, with a counted warning and a record in ``skipped``.
+        """
+        return self._load_or_substitute(index, self._load_sample, len(self.ids))
+
+    def _load_sample(self, index: int) -> tuple[Tensor, dict[str, Any]]:
+        """Load, transform and return ``(image, target)`` of ``index``; raise on a bad image."""
         image_id = self.ids[index]
         info = self._images[image_id]
-        img = self._load_image(info)
-        height, width = img.height, img.width
+        img, scale = self._load_image(info)
+        height, width = img.height, img.width  # the decoded size (below the JSON's for huge images)
+        json_h, json_w = int(info["height"]), int(info["width"])
         anns = self._anns[image_id]
         boxes = torch.tensor([a["xyxy"] for a in anns], dtype=torch.float32).reshape(-1, 4)
+        orig_boxes = torch.tensor([a["raw_xyxy"] for a in anns], dtype=torch.float32).reshape(-1, 4)
+        reduced = (height, width) != (json_h, json_w)
+        if reduced:
+            boxes = boxes * torch.tensor([scale[1], scale[0], scale[1], scale[0]])
         if anns:
-            masks = torch.from_numpy(np.stack([self._decode_mask(a, height, width) for a in anns]))
+            masks = torch.from_numpy(np.stack([self._decode_mask(a, json_h, json_w, scale) for a in anns]))
         else:
             masks = torch.zeros((0, height, width), dtype=torch.uint8)
         target: dict[str, Any] = {
@@ -327,9 +456,13 @@ class COCODetection(Dataset):
             "iscrowd": torch.tensor([a["iscrowd"] for a in anns], dtype=torch.int64),
             "area": torch.tensor([a["area"] for a in anns], dtype=torch.float32),
         }
-        if not self.train:
-            target["orig_boxes"] = boxes.clone()
-            target["orig_masks"] = masks.bool()
+        if not self.train:  # ground truth as pycocotools reads it from the JSON
+            target["orig_boxes"] = orig_boxes
+            target["orig_masks"] = (
+                masks.bool() if not reduced
+                else torch.from_numpy(np.stack([self._decode_mask(a, json_h, json_w) for a in anns])).bool()
+                if anns else torch.zeros((0, json_h, json_w), dtype=torch.bool)
+            )
         image: Any = tv_tensors.Image(TF.pil_to_tensor(img))
         if self.transforms is not None:
             image, target = self.transforms(image, target)
@@ -341,7 +474,7 @@ class COCODetection(Dataset):
         out["boxes"] = out["boxes"].to(torch.float32)
         out["masks"] = out["masks"].to(torch.uint8)
         out["image_id"] = int(image_id)
-        out["orig_size"] = (height, width)
+        out["orig_size"] = (json_h, json_w)
         return image, out
 
 
@@ -555,7 +688,8 @@ class COCODataModule(L.LightningDataModule):
             transforms = detection_train_transforms(self.train_scales, self.max_size, self.flip_prob)
         else:
             transforms = detection_eval_transforms(self.test_scale, self.max_size)
-        ds = COCODetection(img, ann, transforms, train=train, min_box_size=self.min_box_size)
+        ds = COCODetection(img, ann, transforms, train=train, min_box_size=self.min_box_size,
+                           max_decode_side=max(DEFAULT_MAX_DECODE_SIDE, int(self.max_size)))
         if self._categories is None:
             self._categories, self._categories_source = ds.categories, ann
         ref_ids = [c["id"] for c in self._categories]

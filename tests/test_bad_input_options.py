@@ -1,0 +1,101 @@
+"""Bad model names and options: one error naming the option and listing the valid choices.
+
+Each test is one row of the README's "Bad input: what you see" table. Checkpoints for the wrong
+backbone, class count or task are tested with the checkpoint code, not here.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import pytest
+
+import vtdense
+from vtdense.models.detection import build_detector, list_heads
+from vtdense.models.segmentation import ARCHITECTURES, build_segmentor
+from vtdense.tasks.detection import LR_SCHEDULES, METRIC_BACKENDS, DetectionTask
+from vtdense.tasks.segmentation import SegmentationTask
+
+pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "coco_swin.py"
+BACKBONES = vtdense.list_backbones()
+
+# (what is built, the wrong name, the text that must name it, the names the message must list)
+CASES: list[tuple[str, Callable[[], Any], str, list[str]]] = [
+    ("create_backbone", lambda: vtdense.create_backbone("swin_huge"), "unknown backbone 'swin_huge'", BACKBONES),
+    ("build_detector head", lambda: build_detector("swin_tiny", "yolo", 3), "unknown detection head 'yolo'", list_heads()),
+    ("build_detector backbone", lambda: build_detector("resnet50", "mask_rcnn", 3), "unknown backbone 'resnet50'", BACKBONES),
+    ("DetectionTask head", lambda: DetectionTask(head="yolo"), "unknown head 'yolo' (option 'head')", list_heads()),
+    ("DetectionTask backbone", lambda: DetectionTask(backbone="vit_b"), "unknown backbone 'vit_b' (option 'backbone')", BACKBONES),
+    ("DetectionTask metric_backend", lambda: DetectionTask(metric_backend="cocoapi"),
+     "unknown metric_backend 'cocoapi' (option 'metric_backend')", list(METRIC_BACKENDS)),
+    ("DetectionTask lr_schedule", lambda: DetectionTask(lr_schedule="linear"),
+     "unknown lr_schedule 'linear' (option 'lr_schedule')", list(LR_SCHEDULES)),
+    ("build_segmentor arch", lambda: build_segmentor("segnet", "swin_tiny", 3), "unknown segmentation arch 'segnet'",
+     list(ARCHITECTURES)),
+    ("build_segmentor backbone", lambda: build_segmentor("upernet", "convnext", 3), "unknown backbone 'convnext'", BACKBONES),
+    ("SegmentationTask arch", lambda: SegmentationTask(arch="segnet", num_classes=3),
+     "model.arch: unknown architecture 'segnet'", list(ARCHITECTURES)),
+    ("SegmentationTask backbone", lambda: SegmentationTask(backbone="convnext", num_classes=3),
+     "unknown backbone 'convnext'", BACKBONES),
+]
+
+
+@pytest.mark.parametrize(("build", "expected", "valid"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_unknown_names_list_the_valid_ones(build: Callable[[], Any], expected: str, valid: list[str]) -> None:
+    with pytest.raises(ValueError) as info:
+        build()
+    message = str(info.value)
+    assert expected in message, message
+    missing = [name for name in valid if name not in message]
+    assert not missing, f"the message does not list {missing}: {message}"
+
+
+def _recipe() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("coco_swin_recipe_bad_input", RECIPE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_wrong_type_in_yaml_through_the_recipe_script(tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("trainer:\n  accelerator: cpu\nmodel:\n  backbone: swin_tiny\n  fpn_channels: wide\n")
+    proc = subprocess.run([sys.executable, str(RECIPE), "--config", str(config)], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=300, check=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    error = proc.stderr[proc.stderr.index("error: "):]
+    assert error.splitlines()[0] == 'error: Parser key "model.fpn_channels":', error
+    assert "Expected a <class 'int'>. Got value: wide" in error
+    assert not list(tmp_path.glob("runs")), "nothing may be written before the options are valid"
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "option", "detail"),
+    [
+        ("model:\n  lr: [1, 2]\n", "model.lr", "Expected a <class 'float'>"),
+        ("data:\n  batch_size: two\n", "data.batch_size", "Got value: two"),
+        ("data:\n  train_scales: 600\n", "data.train_scales", "Got value: 600"),
+        ("model:\n  backbone_kwargs: 5\n", "model.backbone_kwargs", "Given value: 5"),
+        ("trainer:\n  max_epochs: many\n", "trainer.max_epochs", "Given value: many"),
+    ],
+)
+def test_wrong_type_in_yaml_names_the_option(tmp_path: Path, yaml_text: str, option: str, detail: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(yaml_text)
+    with pytest.raises(SystemExit) as info:
+        _recipe().main([f"--config={config}", f"--trainer.default_root_dir={tmp_path / 'run'}"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f'error: Parser key "{option}":' in err and detail in err, err[-2000:]
+    assert not (tmp_path / "run").exists()
