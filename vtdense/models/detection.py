@@ -19,6 +19,7 @@ import math
 from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
+import torch
 from torch import Tensor, nn
 from torchvision.models.detection import FCOS, FasterRCNN, MaskRCNN, RetinaNet
 from torchvision.models.detection.anchor_utils import AnchorGenerator
@@ -36,6 +37,7 @@ __all__ = [
     "IMAGENET_STD",
     "NoResizeTransform",
     "BackboneWithFPN",
+    "Float32AnchorGenerator",
     "build_detector",
     "list_heads",
 ]
@@ -204,6 +206,20 @@ def _keep_fp32(*modules: nn.Module | None) -> None:
             m.register_forward_hook(_fp32_outputs_hook)
 
 
+class Float32AnchorGenerator(AnchorGenerator):
+    """torchvision's ``AnchorGenerator`` that always builds float32 anchors.
+
+    torchvision takes the anchors' dtype from the feature maps, so under bf16 autocast the anchors
+    (and every box decoded from them) would be bfloat16: 8 bits of mantissa, a box edge near 800 px
+    off by up to 4 px. Only the maps' sizes and device are used, so empty float32 stand-ins replace them.
+    """
+
+    def forward(self, image_list: Any, feature_maps: list[Tensor]) -> list[Tensor]:
+        """Anchors per image, ``[sum_l(A * H_l * W_l), 4]`` float32 XYXY in input-image coordinates."""
+        shapes = [f.new_empty((0, 0, *f.shape[-2:]), dtype=torch.float32) for f in feature_maps]
+        return super().forward(image_list, shapes)
+
+
 def _anchor_sizes(
     strides: Sequence[int], anchor_sizes: Sequence[float] | None, factor: float
 ) -> list[float]:
@@ -227,7 +243,7 @@ def _rcnn(
     neck: BackboneWithFPN, num_classes: int, masks: bool, opts: dict[str, Any], head_kwargs: dict[str, Any]
 ) -> nn.Module:
     sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 8.0)
-    anchor_gen = AnchorGenerator(
+    anchor_gen = Float32AnchorGenerator(
         sizes=tuple((s,) for s in sizes), aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes)
     )
     roi_names = neck.fpn_level_names
@@ -280,7 +296,7 @@ def _retinanet(
     neck: BackboneWithFPN, num_classes: int, opts: dict[str, Any], head_kwargs: dict[str, Any]
 ) -> nn.Module:
     sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 4.0)
-    anchor_gen = AnchorGenerator(
+    anchor_gen = Float32AnchorGenerator(
         sizes=tuple((s, s * 2 ** (1 / 3), s * 2 ** (2 / 3)) for s in sizes),
         aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes),
     )
@@ -290,7 +306,7 @@ def _retinanet(
 def _fcos(neck: BackboneWithFPN, num_classes: int, opts: dict[str, Any], head_kwargs: dict[str, Any]) -> nn.Module:
     # FCOS derives its per-level regression ranges from the anchor size, which must be the stride.
     sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 1.0)
-    anchor_gen = AnchorGenerator(sizes=tuple((s,) for s in sizes), aspect_ratios=((1.0,),) * len(sizes))
+    anchor_gen = Float32AnchorGenerator(sizes=tuple((s,) for s in sizes), aspect_ratios=((1.0,),) * len(sizes))
     return _dense(FCOS, anchor_gen, neck, num_classes, opts, head_kwargs)
 
 

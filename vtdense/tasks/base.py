@@ -36,6 +36,8 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
+from vtdense.data.errors import SKIP_REPORT_NAME, write_skip_report
+
 __all__ = ["BaseTask", "resolve_run_dir", "atomic_write_bytes"]
 
 
@@ -107,6 +109,24 @@ class BaseTask(LightningModule):
         """Resolve the run directory on every rank (a collective under DDP)."""
         if self._trainer is not None:
             self._run_dir = resolve_run_dir(self.trainer)
+
+    def on_fit_start(self) -> None:
+        """Start the run directory's skip report (``skipped.jsonl``).
+
+        Rank 0 writes what the datasets dropped while parsing; then every rank points its
+        datasets' ``skip_file`` there, so images skipped at load time in any DataLoader worker of
+        any rank are appended to the same report.
+        """
+        dm = getattr(self.trainer, "datamodule", None)
+        datasets = [getattr(dm, n, None) for n in ("train_dataset", "val_dataset")]
+        datasets = [d for d in datasets if d is not None and hasattr(d, "skipped")]
+        if not datasets:
+            return
+        if self.trainer.is_global_zero:
+            write_skip_report([r for d in datasets for r in d.skipped], self.run_dir)
+        self.trainer.strategy.barrier("vtdense_skip_report")  # every rank: the report exists before appends
+        for d in datasets:
+            d.skip_file = self.run_dir / SKIP_REPORT_NAME
 
     def configure_callbacks(self) -> list[Callback]:
         """``last.ckpt`` and the best checkpoint by :attr:`monitor` (none if the trainer has checkpointing off)."""

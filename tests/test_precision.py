@@ -1,0 +1,172 @@
+"""Mixed precision: detector outputs stay float32 under bf16 autocast, fp16 overflow steps are
+skipped by the grad scaler, and attention under bf16 stays finite at extreme settings."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torchvision.ops import box_iou
+
+import vtdense
+from vtdense.data.coco import COCODataModule
+from vtdense.data.synthetic import make_synthetic_coco
+from vtdense.models.detection import build_detector
+from vtdense.tasks.detection import DetectionTask
+
+TINY = dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2], window_size=4)
+
+
+@pytest.mark.parametrize("head", ["mask_rcnn", "faster_rcnn", "retinanet", "fcos"])
+def test_bf16_autocast_predictions_are_float32_and_close_to_fp32(head: str) -> None:
+    torch.manual_seed(0)
+    model = build_detector(
+        "swin_tiny", head, 3, fpn_channels=64, backbone_kwargs=TINY, slim_heads=True, score_thresh=0.0
+    ).eval()
+    images = [torch.rand(3, 224, 320), torch.rand(3, 300, 200)]
+    with torch.no_grad():
+        ref = model(images)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(images)
+    for r, o in zip(ref, out):
+        assert o["boxes"].dtype == torch.float32 and o["scores"].dtype == torch.float32
+        assert o["labels"].dtype == torch.int64
+        if head == "mask_rcnn":
+            assert o["masks"].dtype == torch.float32
+        assert len(r["boxes"]) > 0 and len(o["boxes"]) > 0
+        if head in ("retinanet", "fcos"):
+            continue  # random one-stage heads score every anchor alike: which ones win is chance
+        # the 10 best fp32 detections are found again under bf16, edges within 2 px
+        top = r["boxes"][:10]
+        iou = box_iou(top, o["boxes"])
+        best = iou.argmax(1)
+        assert (iou.max(1).values > 0.9).float().mean() >= 0.8
+        close = iou.max(1).values > 0.9
+        assert (top[close] - o["boxes"][best[close]]).abs().max() <= 2.0
+
+
+@pytest.mark.parametrize("head", ["retinanet", "fcos", "mask_rcnn"])
+def test_bf16_autocast_box_decoding_runs_in_float32(head: str) -> None:
+    """Head outputs and anchors reach box decoding as float32 under autocast."""
+    torch.manual_seed(0)
+    model = build_detector("swin_tiny", head, 3, fpn_channels=32, backbone_kwargs=TINY, slim_heads=True).eval()
+    seen: dict[str, list[torch.dtype]] = {}
+
+    def record(name: str):
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            flat = output if isinstance(output, (list, tuple)) else list(output.values()) if isinstance(output, dict) else [output]
+            for o in flat:
+                for t in (o if isinstance(o, (list, tuple)) else [o]):
+                    if isinstance(t, torch.Tensor) and t.is_floating_point():
+                        seen.setdefault(name, []).append(t.dtype)
+        return hook
+
+    heads = {"head": model.head} if head != "mask_rcnn" else {
+        "rpn": model.rpn.head, "box": model.roi_heads.box_predictor, "mask": model.roi_heads.mask_predictor}
+    for name, m in heads.items():
+        m.register_forward_hook(record(name))
+    model.anchor_generator.register_forward_hook(record("anchors")) if head != "mask_rcnn" else \
+        model.rpn.anchor_generator.register_forward_hook(record("anchors"))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model([torch.rand(3, 160, 224)])
+    assert set(seen) == set(heads) | {"anchors"}
+    for name, dtypes in seen.items():
+        assert set(dtypes) == {torch.float32}, name
+
+
+@pytest.fixture(scope="module")
+def coco_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_synthetic_coco(tmp_path_factory.mktemp("prec") / "coco", num_train=8, num_val=2, size_range=(64, 80),
+                               num_classes=2, seed=5)
+
+
+class _Overflow(L.Callback):
+    """Multiplies the loss of one step so the fp16 gradients overflow; records the weights around it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.before: dict[str, torch.Tensor] = {}
+        self.after: dict[str, torch.Tensor] = {}
+        self.scales: list[float] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int) -> None:
+        module.blow_up = trainer.global_step == self.step
+        if module.blow_up:
+            self.before = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, *args: Any) -> None:
+        self.scales.append(float(trainer.precision_plugin.scaler.get_scale()))
+        if module.blow_up:
+            self.after = {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class _BlowUpTask(DetectionTask):
+    blow_up = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss * 1e6 if self.blow_up else loss
+
+
+def test_fp16_grad_scaler_skips_overflow_step(coco_small: Path, tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    task = _BlowUpTask(backbone="swin_tiny", backbone_kwargs=TINY, head="faster_rcnn", num_classes=2, fpn_channels=32,
+                       slim_heads=True, box_head_width=32, rois_per_image=16, warmup_steps=1, lr=1e-3)
+    dm = COCODataModule(root=str(coco_small), batch_size=2, num_workers=0, train_scales=[64], max_size=96, test_scale=64)
+    spy = _Overflow(step=2)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=4, limit_val_batches=0, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[spy], default_root_dir=str(tmp_path),
+        plugins=[MixedPrecision("16-mixed", device="cpu")],  # the CUDA recipe's fp16 path, on the CPU
+    )
+    trainer.fit(task, datamodule=dm)
+    assert spy.before and spy.after
+    for k, v in spy.before.items():  # the overflow step changed nothing
+        assert torch.equal(v, spy.after[k]), k
+    assert all(torch.isfinite(p).all() for p in task.parameters())
+    assert spy.scales[2] == spy.scales[1] / 2  # the scaler backed off
+    assert trainer.global_step >= 3  # training went on
+
+
+def _randomise(model: torch.nn.Module, scale: float) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim >= 2:
+                p.normal_(0, scale / math.sqrt(p.shape[-1]))
+
+
+def _finite_bf16(backbone: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        feats = backbone(x)
+    for k, v in feats.items():
+        assert torch.isfinite(v).all(), k
+    return feats
+
+
+def test_bf16_attention_finite_at_large_logits_and_logit_scale_clamp() -> None:
+    torch.manual_seed(0)
+    v1 = vtdense.create_backbone("swin_tiny", **TINY).eval()
+    _randomise(v1, 30.0)  # q.k logits in the thousands
+    _finite_bf16(v1, torch.randn(1, 3, 200, 136) * 10)
+    v2 = vtdense.create_backbone("swinv2_tiny", **TINY).eval()
+    _randomise(v2, 30.0)
+    with torch.no_grad():
+        for name, p in v2.named_parameters():
+            if name.endswith("logit_scale"):
+                p.fill_(math.log(1000.0))  # above the clamp: the model must clamp to log(100)
+    feats = _finite_bf16(v2, torch.randn(1, 3, 200, 136) * 10)
+    with torch.no_grad():
+        ref = v2(torch.zeros(1, 3, 8, 8))  # fp32 path still runs after the bf16 one
+    assert all(torch.isfinite(v).all() for v in ref.values()) and feats
+
+
+def test_bf16_mvitv2_at_1024_is_finite() -> None:
+    torch.manual_seed(0)
+    m = vtdense.create_backbone("mvitv2_tiny", embed_dim=16, depths=[1, 1, 1, 1], num_heads=1).eval()
+    feats = _finite_bf16(m, torch.randn(1, 3, 1024, 1024))
+    assert feats["stage1"].shape[-2:] == (256, 256)
