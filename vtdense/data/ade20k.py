@@ -15,6 +15,7 @@ is empty it generates a small synthetic set in the same layout into
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -31,6 +32,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
+from vtdense.data.samplers import make_train_loader
 from vtdense.data.synthetic_seg import generate_synthetic_segmentation
 
 __all__ = [
@@ -451,15 +453,29 @@ class ADE20KDataModule(L.LightningDataModule):
             shuffle=shuffle,
             drop_last=shuffle and len(dataset) >= batch_size,
             num_workers=self.num_workers,
-            collate_fn=seg_collate,
+            collate_fn=functools.partial(seg_collate, ignore_index=self.ignore_index),
             persistent_workers=self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches of fixed crop size."""
+        """Shuffled training batches of fixed crop size, resumable mid-epoch.
+
+        A :class:`~torchdata.stateful_dataloader.StatefulDataLoader` whose order and per-sample
+        augmentation depend only on the run seed, the epoch and the sample index (see
+        :func:`vtdense.data.samplers.make_train_loader`).
+        """
         assert self.train_dataset is not None, "call setup('fit') first"
-        return self._loader(self.train_dataset, self.batch_size, shuffle=True)
+        dataset = self.train_dataset
+        return make_train_loader(
+            dataset,
+            self.batch_size,
+            collate_fn=functools.partial(seg_collate, ignore_index=self.ignore_index),
+            drop_last=len(dataset) >= self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=True,
+        )
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches (padded to the largest image in the batch)."""
