@@ -310,6 +310,7 @@ class ADE20KDataModule(L.LightningDataModule):
         batch_size: training batch size per device.
         val_batch_size: validation batch size per device.
         num_workers: dataloader workers.
+        persistent_workers: keep the workers alive between epochs (with ``num_workers > 0``).
         scale: (long, short) rescale target (training base scale and evaluation size).
         ratio_range: training rescale ratio range.
         crop_size: training crop (h, w).
@@ -331,6 +332,7 @@ class ADE20KDataModule(L.LightningDataModule):
         batch_size: int = 2,
         val_batch_size: int = 1,
         num_workers: int = 4,
+        persistent_workers: bool = True,
         scale: tuple[int, int] = (2048, 512),
         ratio_range: tuple[float, float] = (0.5, 2.0),
         crop_size: tuple[int, int] = (512, 512),
@@ -454,7 +456,7 @@ class ADE20KDataModule(L.LightningDataModule):
             drop_last=shuffle and len(dataset) >= batch_size,
             num_workers=self.num_workers,
             collate_fn=functools.partial(seg_collate, ignore_index=self.ignore_index),
-            persistent_workers=self.num_workers > 0,
+            persistent_workers=self.hparams.persistent_workers and self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
         )
 
@@ -474,7 +476,7 @@ class ADE20KDataModule(L.LightningDataModule):
             drop_last=len(dataset) >= self.batch_size,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
-            persistent_workers=True,
+            persistent_workers=self.hparams.persistent_workers,
         )
 
     def val_dataloader(self) -> DataLoader:

@@ -323,4 +323,7 @@ def make_train_loader(
             collate_fn=collate_fn,
             pin_memory=pin_memory,
             persistent_workers=persistent_workers and num_workers > 0,
+            # The loader's own base seed comes from this generator, not from the global one, so
+            # iterating never advances the training RNG streams (augmentation does not use it).
+            generator=torch.Generator().manual_seed(seed),
         )
