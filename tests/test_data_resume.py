@@ -7,8 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from vtdense.data import ADE20KDataModule, COCODataModule
@@ -178,3 +180,48 @@ def test_state_from_another_world_size_is_a_clear_error(coco_root: Path) -> None
     fresh.load_state_dict(state)
     with pytest.raises(ValueError, match="saved with 2 processes but this run has 1"):
         iter(fresh)
+
+
+# ------------------------------------------------------------------------------ through Lightning
+class _Recorder(L.LightningModule):
+    """Records ``(epoch, batch_idx, image ids, per-image pixel sums)`` of every training batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen: list[tuple[int, int, list[int], list[float]]] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, targets = batch
+        self.seen.append(
+            (self.current_epoch, batch_idx, [t["image_id"] for t in targets], [float(i.double().sum()) for i in images])
+        )
+        return sum((self.w - i.mean()) ** 2 for i in images)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_lightning_checkpoint_holds_the_loader_position_and_resume_continues_the_epoch(
+    coco_root: Path, tmp_path: Path
+) -> None:
+    def fit(max_steps: int = -1, ckpt_path: str | None = None, callbacks: list[Any] | None = None) -> _Recorder:
+        L.seed_everything(0, verbose=False)
+        model = _Recorder()
+        trainer = L.Trainer(
+            accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0, num_sanity_val_steps=0, max_epochs=2, max_steps=max_steps,
+            callbacks=callbacks, enable_checkpointing=callbacks is not None, default_root_dir=tmp_path,
+        )
+        trainer.fit(model, datamodule=_coco(coco_root, 0, grouped=True), ckpt_path=ckpt_path)
+        return model
+
+    full = fit().seen
+    assert len(full) == 12 and {e for e, *_ in full} == {0, 1}
+    ckpt_dir = tmp_path / "ckpt"
+    part = fit(max_steps=3, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=3, save_top_k=-1)]).seen
+    (ckpt_file,) = ckpt_dir.glob("*.ckpt")
+    state = torch.load(ckpt_file, weights_only=True)["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert state[0]["_sampler_iter_state"] == {"epoch": 0, "world_size": 1, "yielded": 3}
+    resumed = fit(ckpt_path=str(ckpt_file)).seen
+    assert part == full[:3] and resumed == full[3:]  # same images, same augmentation, same batch indices

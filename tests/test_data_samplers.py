@@ -180,3 +180,81 @@ def test_datamodule_grouping_off_gives_mixed_shuffled_batches(coco_root: Path) -
     loader.batch_sampler.sampler.set_epoch(1)
     epoch1 = [[t["image_id"] for t in targets] for _, targets in loader]
     assert epoch1 != epoch0 and sorted(map(sorted, epoch1)) != sorted(map(sorted, epoch0))
+
+
+_DDP_SCRIPT = '''
+import json, sys
+import lightning as L
+import torch
+from vtdense.data import COCODataModule
+
+
+class Recorder(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.seen = []
+
+    def training_step(self, batch, batch_idx):
+        images, targets = batch
+        self.seen.append([self.current_epoch, [t["image_id"] for t in targets], [float(i.double().sum()) for i in images]])
+        return sum((self.w - i.mean()) ** 2 for i in images)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+root, out, devices = sys.argv[1], sys.argv[2], int(sys.argv[3])
+L.seed_everything(0, verbose=False)
+dm = COCODataModule(root=root, batch_size=2, num_workers=0, group_by_aspect_ratio=True,
+                    train_scales=[48, 64], max_size=96, test_scale=64)
+model = Recorder()
+trainer = L.Trainer(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_epochs=2,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    limit_val_batches=0, num_sanity_val_steps=0)
+trainer.fit(model, datamodule=dm)
+json.dump(model.seen, open(f"{out}.{trainer.global_rank}.json", "w"))
+'''
+
+
+@pytest.mark.slow
+def test_real_two_process_ddp_fit_gets_disjoint_grouped_shards(coco_root: Path, tmp_path: Path) -> None:
+    """Lightning's own DDP launcher (gloo, 2 processes) versus the one-process loader, same seed."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "ddp_fit.py"
+    script.write_text(_DDP_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [sys.executable, str(script), str(coco_root), str(tmp_path / "seen"), "2"],
+        env=env, cwd=tmp_path, check=True, capture_output=True, timeout=300,
+    )
+    ranks = [json.loads((tmp_path / f"seen.{r}.json").read_text()) for r in range(2)]
+    # the same two epochs in one process, without Lightning (seed_everything(0) -> seed 0)
+    dm = COCODataModule(root=str(coco_root), batch_size=2, group_by_aspect_ratio=True, **SMALL)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    one = []
+    for epoch in (0, 1):
+        loader.batch_sampler.sampler.set_epoch(epoch)
+        for images, targets in loader:
+            one.append([epoch, [t["image_id"] for t in targets], [float(i.double().sum()) for i in images]])
+    sizes = {
+        img["id"]: (img["height"], img["width"])
+        for img in json.loads((coco_root / "annotations" / "instances_train2017.json").read_text())["images"]
+    }
+    pixels = {(e, i): s for e, ids, sums in one for i, s in zip(ids, sums)}
+    for epoch in (0, 1):
+        plan = [ids for e, ids, _ in one if e == epoch]
+        shards = [[ids for e, ids, _ in seen if e == epoch] for seen in ranks]
+        assert shards[0] == plan[0::2] and shards[1] == plan[1::2]  # whole batches of the one global order
+        ids = [{i for b in s for i in b} for s in shards]
+        assert not ids[0] & ids[1] and ids[0] | ids[1] == set(sizes)
+        for batch in shards[0] + shards[1]:
+            assert len({sizes[i][1] >= sizes[i][0] for i in batch}) == 1
+    assert [ids for e, ids, _ in one if e == 0] != [ids for e, ids, _ in one if e == 1]  # set_epoch reached
+    for seen in ranks:  # each image is augmented as in the one-process run
+        for e, ids, sums in seen:
+            assert [pixels[(e, i)] for i in ids] == sums
