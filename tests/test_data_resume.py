@@ -225,3 +225,15 @@ def test_lightning_checkpoint_holds_the_loader_position_and_resume_continues_the
     assert state[0]["_sampler_iter_state"] == {"epoch": 0, "world_size": 1, "yielded": 3}
     resumed = fit(ckpt_path=str(ckpt_file)).seen
     assert part == full[:3] and resumed == full[3:]  # same images, same augmentation, same batch indices
+
+
+def test_state_from_another_worker_count_names_the_option(coco_root: Path) -> None:
+    for saved_workers, now_workers in ((0, 2), (2, 0)):
+        loader = _loader(lambda: _coco(coco_root, saved_workers, False), epoch=0)
+        it = iter(loader)
+        next(it)
+        state = _roundtrip(loader.state_dict())
+        list(it)
+        fresh = _loader(lambda: _coco(coco_root, now_workers, False), epoch=0)
+        with pytest.raises(ValueError, match=f"saved with num_workers={saved_workers}, but this run has num_workers={now_workers}"):
+            fresh.load_state_dict(state)

@@ -2,7 +2,13 @@
 
 from vtdense.data.ade20k import ADE20KDataModule, SegmentationFolder, seg_collate
 from vtdense.data.coco import COCODataModule, COCODatasetError, COCODetection, collate_detection
-from vtdense.data.samplers import EpochRandomSampler, GroupedBatchSampler, aspect_ratio_group_ids, make_train_loader
+from vtdense.data.samplers import (
+    EpochRandomSampler,
+    GroupedBatchSampler,
+    ResumableDataLoader,
+    aspect_ratio_group_ids,
+    make_train_loader,
+)
 from vtdense.data.seeding import SampleKey, SeededDataset
 from vtdense.data.synthetic import make_synthetic_coco, synthetic_coco_root
 from vtdense.data.synthetic_seg import generate_synthetic_segmentation
@@ -15,6 +21,7 @@ __all__ = [
     "COCODetection",
     "EpochRandomSampler",
     "GroupedBatchSampler",
+    "ResumableDataLoader",
     "SampleKey",
     "SeededDataset",
     "SegmentationFolder",

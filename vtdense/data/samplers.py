@@ -46,6 +46,7 @@ from vtdense.data.seeding import SampleKey, SeededDataset
 __all__ = [
     "EpochRandomSampler",
     "GroupedBatchSampler",
+    "ResumableDataLoader",
     "aspect_ratio_group_ids",
     "default_seed",
     "make_train_loader",
@@ -272,6 +273,38 @@ class _GroupedBatchIterator(Iterator[list[Any]]):
         self.yielded = int(state["yielded"])
 
 
+def _saved_num_workers(state: dict[str, Any]) -> int | None:
+    """Worker count a ``StatefulDataLoader`` state was saved with (None: unknown layout)."""
+    if "_sampler_iter_state" in state:  # single-process layout
+        return 0
+    main = state.get("_snapshot", {}).get("_main_snapshot", {})
+    return int(main["_num_workers"]) if "_num_workers" in main else None
+
+
+class ResumableDataLoader(StatefulDataLoader):
+    """:class:`~torchdata.stateful_dataloader.StatefulDataLoader` that names the option when a state does not fit.
+
+    torchdata's state layout depends on the worker count and it fails with a bare
+    ``AssertionError`` (or a ``KeyError``) when a run resumes with another ``num_workers``;
+    this loader raises one ``ValueError`` saying which value to resume with instead.
+    """
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Check the worker count, then restore the position (applied at the next ``iter``).
+
+        Raises:
+            ValueError: If the state was saved with another ``num_workers``.
+        """
+        saved = _saved_num_workers(state_dict) if state_dict else None
+        if saved is not None and saved != self.num_workers:
+            raise ValueError(
+                f"the training data-loader state in this checkpoint was saved with num_workers={saved}, but this run "
+                f"has num_workers={self.num_workers}; resume with --data.num_workers {saved} to continue the epoch "
+                "where it stopped"
+            )
+        super().load_state_dict(state_dict)
+
+
 def default_seed() -> int:
     """The run's base seed: ``$PL_GLOBAL_SEED`` (set by ``seed_everything``) or 0, as Lightning's samplers use."""
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
@@ -288,10 +321,10 @@ def make_train_loader(
     pin_memory: bool = False,
     persistent_workers: bool = False,
     seed: int | None = None,
-) -> StatefulDataLoader:
+) -> ResumableDataLoader:
     """A resumable, per-sample-seeded training loader over ``dataset``.
 
-    It is a :class:`~torchdata.stateful_dataloader.StatefulDataLoader` (Lightning saves its
+    It is a :class:`~torchdata.stateful_dataloader.StatefulDataLoader` (:class:`ResumableDataLoader`; Lightning saves its
     ``state_dict`` in checkpoints and restores it on resume) over
     ``SeededDataset(dataset, seed)``, batched by ``GroupedBatchSampler(EpochRandomSampler(...),
     with_epoch=True)``. Batch ``k`` of epoch ``e`` and each sample's augmentation depend only on
@@ -316,7 +349,7 @@ def make_train_loader(
     batch_sampler = GroupedBatchSampler(sampler, batch_size, drop_last, group_ids=group_ids, with_epoch=True)
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in recent torch
         warnings.filterwarnings("ignore", message=".*set_vital.* is deprecated")
-        return StatefulDataLoader(
+        return ResumableDataLoader(
             SeededDataset(dataset, seed),
             batch_sampler=batch_sampler,
             num_workers=num_workers,
