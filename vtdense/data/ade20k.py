@@ -15,6 +15,7 @@ is empty it generates a small synthetic set in the same layout into
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -33,6 +34,7 @@ from torchvision.transforms import v2
 
 from vtdense.data.errors import BadSampleError, SkipOnBadSample
 from vtdense.data.images import decode_image
+from vtdense.data.samplers import make_train_loader
 from vtdense.data.synthetic_seg import generate_synthetic_segmentation
 
 __all__ = [
@@ -351,6 +353,7 @@ class ADE20KDataModule(L.LightningDataModule):
         batch_size: training batch size per device.
         val_batch_size: validation batch size per device.
         num_workers: dataloader workers.
+        persistent_workers: keep the workers alive between epochs (with ``num_workers > 0``).
         scale: (long, short) rescale target (training base scale and evaluation size).
         ratio_range: training rescale ratio range.
         crop_size: training crop (h, w).
@@ -372,6 +375,7 @@ class ADE20KDataModule(L.LightningDataModule):
         batch_size: int = 2,
         val_batch_size: int = 1,
         num_workers: int = 4,
+        persistent_workers: bool = True,
         scale: tuple[int, int] = (2048, 512),
         ratio_range: tuple[float, float] = (0.5, 2.0),
         crop_size: tuple[int, int] = (512, 512),
@@ -494,15 +498,29 @@ class ADE20KDataModule(L.LightningDataModule):
             shuffle=shuffle,
             drop_last=shuffle and len(dataset) >= batch_size,
             num_workers=self.num_workers,
-            collate_fn=seg_collate,
-            persistent_workers=self.num_workers > 0,
+            collate_fn=functools.partial(seg_collate, ignore_index=self.ignore_index),
+            persistent_workers=self.hparams.persistent_workers and self.num_workers > 0,
             pin_memory=torch.cuda.is_available(),
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches of fixed crop size."""
+        """Shuffled training batches of fixed crop size, resumable mid-epoch.
+
+        A :class:`~torchdata.stateful_dataloader.StatefulDataLoader` whose order and per-sample
+        augmentation depend only on the run seed, the epoch and the sample index (see
+        :func:`vtdense.data.samplers.make_train_loader`).
+        """
         assert self.train_dataset is not None, "call setup('fit') first"
-        return self._loader(self.train_dataset, self.batch_size, shuffle=True)
+        dataset = self.train_dataset
+        return make_train_loader(
+            dataset,
+            self.batch_size,
+            collate_fn=functools.partial(seg_collate, ignore_index=self.ignore_index),
+            drop_last=len(dataset) >= self.batch_size,
+            num_workers=self.num_workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.hparams.persistent_workers,
+        )
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches (padded to the largest image in the batch)."""

@@ -49,12 +49,14 @@ from torchvision.transforms.v2 import functional as TF
 
 from vtdense.data.errors import BadSampleError, SkipOnBadSample, skip_record
 from vtdense.data.images import decode_image
+from vtdense.data.samplers import aspect_ratio_group_ids, make_train_loader
 from vtdense.data.synthetic import synthetic_coco_root
 from vtdense.data.transforms import (
     DEFAULT_MAX_SIZE,
     DEFAULT_TEST_SCALE,
     DEFAULT_TRAIN_SCALES,
     detection_eval_transforms,
+    detection_lsj_transforms,
     detection_train_transforms,
     drop_degenerate_instances,
 )
@@ -490,6 +492,9 @@ def collate_detection(batch: Sequence[tuple[Tensor, dict[str, Any]]]) -> tuple[l
     return [item[0] for item in batch], [item[1] for item in batch]
 
 
+#: Training augmentation choices of :class:`COCODataModule`.
+_TRAIN_AUGMENTS: tuple[str, ...] = ("multiscale", "lsj")
+
 _SPLIT_FILES: dict[str, tuple[str, str]] = {
     "train": ("annotations/instances_train2017.json", "train2017"),
     "val": ("annotations/instances_val2017.json", "val2017"),
@@ -507,6 +512,11 @@ class COCODataModule(L.LightningDataModule):
 
     Test and predict use the validation split unless ``test_ann``/``test_images`` are given.
 
+    The training loader is a resumable :class:`~torchdata.stateful_dataloader.StatefulDataLoader`
+    (Lightning checkpoints its position mid-epoch) whose order and per-sample augmentation
+    depend only on the run seed (``seed_everything``), the epoch and the sample index; see
+    :func:`vtdense.data.samplers.make_train_loader`.
+
     Args:
         root: Dataset root with the standard COCO 2017 layout.
         train_ann: Training annotation JSON (overrides ``root``'s).
@@ -523,6 +533,13 @@ class COCODataModule(L.LightningDataModule):
         max_size: Long-side cap, training and evaluation.
         test_scale: Short side in evaluation.
         flip_prob: Horizontal-flip probability in training.
+        train_augment: ``"multiscale"`` (short side from ``train_scales``, long side capped at
+            ``max_size``) or ``"lsj"`` (large-scale jitter: rescale to ``lsj_scale_range`` of
+            ``lsj_size``, random crop, pad to ``lsj_size`` square, boxes recomputed from masks).
+        lsj_size: Output side of large-scale jitter.
+        lsj_scale_range: Scale range of large-scale jitter.
+        group_by_aspect_ratio: Training batches hold only portrait or only landscape images
+            (sizes read from the annotation file); under DDP each rank gets whole batches.
         min_box_size: Annotations with a box side at most this many pixels are dropped.
         synthetic_if_missing: Fall back to synthetic data when the default location is empty.
         cache_dir: Cache folder for the synthetic dataset (default: see
@@ -551,6 +568,10 @@ class COCODataModule(L.LightningDataModule):
         max_size: int = DEFAULT_MAX_SIZE,
         test_scale: int = DEFAULT_TEST_SCALE,
         flip_prob: float = 0.5,
+        train_augment: str = "multiscale",
+        lsj_size: int = 1024,
+        lsj_scale_range: tuple[float, float] = (0.1, 2.0),
+        group_by_aspect_ratio: bool = False,
         min_box_size: float = 1.0,
         synthetic_if_missing: bool = True,
         cache_dir: str | None = None,
@@ -576,6 +597,12 @@ class COCODataModule(L.LightningDataModule):
         self.max_size = max_size
         self.test_scale = test_scale
         self.flip_prob = flip_prob
+        if train_augment not in _TRAIN_AUGMENTS:
+            raise ValueError(f"train_augment must be one of {list(_TRAIN_AUGMENTS)}, got {train_augment!r}")
+        self.train_augment = train_augment
+        self.lsj_size = lsj_size
+        self.lsj_scale_range = tuple(float(v) for v in lsj_scale_range)
+        self.group_by_aspect_ratio = bool(group_by_aspect_ratio)
         self.min_box_size = min_box_size
         self.synthetic_if_missing = synthetic_if_missing
         self.cache_dir = cache_dir
@@ -586,7 +613,7 @@ class COCODataModule(L.LightningDataModule):
         self.val_dataset: COCODetection | None = None
         self.test_dataset: COCODetection | None = None
         # Validate the transform settings now, and the paths the user typed (cheap checks).
-        detection_train_transforms(self.train_scales, max_size, flip_prob)
+        self._train_transforms()
         detection_eval_transforms(test_scale, max_size)
         if root is not None or any(v is not None for v in self.explicit.values()):
             self._resolve_paths()
@@ -681,11 +708,17 @@ class COCODataModule(L.LightningDataModule):
         """Resolve paths (generating the synthetic dataset if it is needed and absent)."""
         self._resolve_paths()
 
+    def _train_transforms(self) -> Any:
+        """The training transforms selected by ``train_augment`` (validates their options)."""
+        if self.train_augment == "lsj":
+            return detection_lsj_transforms(self.lsj_size, self.lsj_scale_range, self.flip_prob)
+        return detection_train_transforms(self.train_scales, self.max_size, self.flip_prob)
+
     def _make(self, split: str, train: bool) -> COCODetection:
         """Build one split's dataset and check its categories against the others."""
         ann, img = self._resolve_paths()[split]
         if train:
-            transforms = detection_train_transforms(self.train_scales, self.max_size, self.flip_prob)
+            transforms = self._train_transforms()
         else:
             transforms = detection_eval_transforms(self.test_scale, self.max_size)
         ds = COCODetection(img, ann, transforms, train=train, min_box_size=self.min_box_size,
@@ -727,8 +760,23 @@ class COCODataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches."""
-        return self._loader(self.train_dataset, True, "train")
+        """Shuffled, resumable training batches (aspect-ratio grouped if ``group_by_aspect_ratio``)."""
+        dataset = self.train_dataset
+        if dataset is None:
+            raise RuntimeError("call setup() before train_dataloader()")
+        group_ids = None
+        if self.group_by_aspect_ratio:
+            imgs = dataset.coco.imgs  # sizes from the annotation file; no image is opened
+            group_ids = aspect_ratio_group_ids([(int(imgs[i]["height"]), int(imgs[i]["width"])) for i in dataset.ids])
+        return make_train_loader(
+            dataset,
+            self.batch_size,
+            collate_fn=collate_detection,
+            group_ids=group_ids,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            persistent_workers=self.persistent_workers,
+        )
 
     def val_dataloader(self) -> DataLoader:
         """Validation batches (with ``orig_*`` ground truth)."""

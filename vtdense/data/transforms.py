@@ -9,6 +9,14 @@ A transform takes and returns ``(image, target)`` where ``image`` is a
 The recipes follow detectron2's ``ResizeShortestEdge``: training picks the short side at random
 from a list (480..800 step 32 for COCO) with the long side capped (1333); evaluation uses one
 short side (800) with the same cap.
+
+Large-scale jitter (:func:`detection_lsj_transforms`, Ghiasi et al. 2021, "Simple Copy-Paste",
+as used by ViTDet and MViTv2) instead resizes so the image fits a square of ``size * s`` with
+``s`` drawn from ``scale_range`` (0.1..2.0 of 1024), takes a random crop of at most ``size``,
+pads to ``size x size`` and recomputes each box from its cropped mask.
+
+Random draws use the global ``torch`` generator, so a sample's augmentation is reproducible
+when the global state is seeded per sample (see :mod:`vtdense.data.seeding`).
 """
 
 from __future__ import annotations
@@ -25,11 +33,17 @@ __all__ = [
     "DEFAULT_MAX_SIZE",
     "DEFAULT_TEST_SCALE",
     "DEFAULT_TRAIN_SCALES",
+    "IMAGENET_MEAN_UINT8",
     "INSTANCE_KEYS",
+    "BoxesFromMasks",
+    "FixedSizeCropPad",
+    "RandomScaleResize",
     "ResizeShortestEdge",
     "detection_eval_transforms",
+    "detection_lsj_transforms",
     "detection_train_transforms",
     "drop_degenerate_instances",
+    "masks_to_tight_boxes",
     "shortest_edge_size",
 ]
 
@@ -40,8 +54,22 @@ DEFAULT_TEST_SCALE: int = 800
 #: Cap on the long side, train and eval.
 DEFAULT_MAX_SIZE: int = 1333
 
+#: Pad colour of large-scale jitter: the ImageNet mean in 0..255, i.e. zero after normalisation.
+IMAGENET_MEAN_UINT8: tuple[int, int, int] = (124, 116, 104)
+
 #: Target keys that hold one entry per instance (first dimension ``N``); filtered together.
 INSTANCE_KEYS: tuple[str, ...] = ("boxes", "labels", "masks", "iscrowd", "area", "orig_boxes", "orig_masks")
+
+
+def _sample_size(flat_inputs: list[Any], name: str) -> tuple[int, int]:
+    """``(height, width)`` of the first image, mask or box canvas in a flattened sample."""
+    for inpt in flat_inputs:
+        if isinstance(inpt, (tv_tensors.Image, tv_tensors.Video, tv_tensors.Mask, PIL.Image.Image)):
+            height, width = F.get_size(inpt)
+            return int(height), int(width)
+        if isinstance(inpt, tv_tensors.BoundingBoxes):
+            return int(inpt.canvas_size[0]), int(inpt.canvas_size[1])
+    raise TypeError(f"{name} needs an image, mask or bounding boxes in the sample")
 
 
 def _check_scales(scales: Sequence[int], max_size: int | None) -> list[int]:
@@ -95,15 +123,7 @@ class ResizeShortestEdge(v2.Transform):
 
     def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
         """Draw the short side and compute the output size from the sample's image."""
-        for inpt in flat_inputs:
-            if isinstance(inpt, (tv_tensors.Image, tv_tensors.Video, tv_tensors.Mask, PIL.Image.Image)):
-                height, width = F.get_size(inpt)
-                break
-            if isinstance(inpt, tv_tensors.BoundingBoxes):
-                height, width = inpt.canvas_size
-                break
-        else:
-            raise TypeError("ResizeShortestEdge needs an image, mask or bounding boxes in the sample")
+        height, width = _sample_size(flat_inputs, type(self).__name__)
         short = self.sizes[int(torch.randint(len(self.sizes), ()))]
         return {"size": list(shortest_edge_size(height, width, short, self.max_size))}
 
@@ -159,6 +179,159 @@ def detection_eval_transforms(scale: int = DEFAULT_TEST_SCALE, max_size: int | N
             v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True),
         ]
     )
+
+
+class RandomScaleResize(v2.Transform):
+    """Resize so the image fits in ``size * s`` square, ``s`` drawn uniformly from ``scale_range``.
+
+    The aspect ratio is kept: the factor is ``size * s / max(height, width)``, and each side is
+    rounded to the nearest pixel (at least 1). Boxes and masks follow the image.
+
+    Args:
+        size: Side of the target square (1024 in the LSJ recipes).
+        scale_range: ``(low, high)`` of the uniform scale draw (0.1..2.0 in the LSJ recipes).
+        antialias: Antialias when downscaling images.
+    """
+
+    def __init__(self, size: int, scale_range: Sequence[float] = (0.1, 2.0), antialias: bool = True) -> None:
+        super().__init__()
+        self.size, self.scale_range = _check_lsj(size, scale_range)
+        self.antialias = antialias
+
+    def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
+        """Draw the scale and compute the output ``size`` from the sample's image."""
+        height, width = _sample_size(flat_inputs, type(self).__name__)
+        low, high = self.scale_range
+        scale = low + float(torch.rand(())) * (high - low)
+        factor = self.size * scale / max(height, width)
+        return {"size": [max(1, int(height * factor + 0.5)), max(1, int(width * factor + 0.5))]}
+
+    def transform(self, inpt: Any, params: dict[str, Any]) -> Any:
+        """Resize one input to ``params["size"]``."""
+        return self._call_kernel(F.resize, inpt, size=params["size"], antialias=self.antialias)
+
+
+class FixedSizeCropPad(v2.Transform):
+    """Random crop of at most ``size x size``, then pad bottom/right to exactly ``size x size``.
+
+    Boxes are shifted and clamped to the crop (an instance cropped away gets a zero-width box,
+    which :func:`drop_degenerate_instances` removes); masks are cropped and padded with 0.
+
+    Args:
+        size: Output side.
+        fill: Pad value of images (one per channel, 0..255 for uint8 images).
+    """
+
+    def __init__(self, size: int, fill: Sequence[float] = IMAGENET_MEAN_UINT8) -> None:
+        super().__init__()
+        if int(size) <= 0:
+            raise ValueError(f"size must be a positive int, got {size}")
+        self.size = int(size)
+        self.fill = [float(v) for v in fill]
+
+    def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
+        """Draw the crop's top-left corner; compute the crop and pad extents."""
+        height, width = _sample_size(flat_inputs, type(self).__name__)
+        crop_h, crop_w = min(height, self.size), min(width, self.size)
+        top = int(torch.randint(height - crop_h + 1, ()))
+        left = int(torch.randint(width - crop_w + 1, ()))
+        return {"crop": (top, left, crop_h, crop_w), "pad": [0, 0, self.size - crop_w, self.size - crop_h]}
+
+    def transform(self, inpt: Any, params: dict[str, Any]) -> Any:
+        """Crop one input, then pad it (images with ``fill``, masks with 0)."""
+        top, left, crop_h, crop_w = params["crop"]
+        out = self._call_kernel(F.crop, inpt, top=top, left=left, height=crop_h, width=crop_w)
+        if not any(params["pad"]):
+            return out
+        fill: Any = self.fill if isinstance(inpt, (tv_tensors.Image, tv_tensors.Video, PIL.Image.Image)) else 0
+        return self._call_kernel(F.pad, out, padding=params["pad"], fill=fill)
+
+
+class BoxesFromMasks:
+    """Replace each box by the tight box of its mask (detectron2's ``recompute_boxes``).
+
+    After a crop, a clamped box can be far larger than the visible part of its object; the
+    mask's extent is exact. An instance whose mask is empty gets an all-zero box, so
+    :func:`drop_degenerate_instances` removes it. Targets without ``masks`` pass unchanged.
+    """
+
+    def __call__(self, image: Any, target: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """Return ``(image, target)`` with ``target["boxes"]`` (``[N, 4]`` XYXY) recomputed."""
+        masks = target.get("masks")
+        if masks is None or masks.shape[0] == 0:
+            return image, target
+        boxes = target["boxes"]
+        out = dict(target)
+        out["boxes"] = tv_tensors.wrap(masks_to_tight_boxes(masks).to(boxes.dtype), like=boxes)
+        return image, out
+
+
+def masks_to_tight_boxes(masks: torch.Tensor) -> torch.Tensor:
+    """Tight XYXY boxes (``float32 [N, 4]``, exclusive right/bottom) of ``[N, H, W]`` masks; empty: zeros."""
+    m = masks.as_subclass(torch.Tensor) != 0
+    n, height, width = m.shape
+    rows, cols = m.any(dim=2), m.any(dim=1)
+    ys = torch.arange(height, device=m.device)
+    xs = torch.arange(width, device=m.device)
+    y0 = torch.where(rows, ys, height).amin(dim=1)
+    y1 = torch.where(rows, ys + 1, 0).amax(dim=1)
+    x0 = torch.where(cols, xs, width).amin(dim=1)
+    x1 = torch.where(cols, xs + 1, 0).amax(dim=1)
+    boxes = torch.stack([x0, y0, x1, y1], dim=1).to(torch.float32)
+    boxes[~rows.any(dim=1)] = 0.0
+    return boxes
+
+
+def _check_lsj(size: int, scale_range: Sequence[float]) -> tuple[int, tuple[float, float]]:
+    """Validate the large-scale-jitter size and scale range."""
+    if int(size) <= 0:
+        raise ValueError(f"lsj_size must be a positive int, got {size}")
+    rng = tuple(float(v) for v in scale_range)
+    if len(rng) != 2 or not 0.0 < rng[0] <= rng[1]:
+        raise ValueError(f"lsj_scale_range must be (low, high) with 0 < low <= high, got {list(scale_range)}")
+    return int(size), (rng[0], rng[1])
+
+
+def detection_lsj_transforms(
+    size: int = 1024,
+    scale_range: Sequence[float] = (0.1, 2.0),
+    flip_prob: float = 0.5,
+    recompute_boxes: bool = True,
+    fill: Sequence[float] = IMAGENET_MEAN_UINT8,
+) -> v2.Compose:
+    """Large-scale-jitter training transforms: flip, random rescale, crop and pad to ``size``, float.
+
+    Every output image is ``[3, size, size]``; the pad (bottom/right) has the ImageNet mean
+    colour. Boxes and masks follow; with ``recompute_boxes`` each box becomes the tight box of
+    its cropped mask, and instances cropped away are left with zero boxes for
+    :func:`drop_degenerate_instances` to remove (as :class:`~vtdense.data.COCODetection` does on
+    training splits).
+
+    Args:
+        size: Output side (1024 in the MViTv2 / ViTDet recipes).
+        scale_range: Range of the random scale of ``size`` the image is fitted to.
+        flip_prob: Probability of a horizontal flip.
+        recompute_boxes: Recompute boxes from masks after the crop.
+        fill: Image pad value per channel (0..255).
+
+    Returns:
+        A v2 transform over ``(image, target)``.
+
+    Raises:
+        ValueError: On a non-positive size, an invalid range, or ``flip_prob`` outside [0, 1].
+    """
+    size, rng = _check_lsj(size, scale_range)
+    if not 0.0 <= flip_prob <= 1.0:
+        raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob}")
+    steps: list[Any] = [
+        v2.RandomHorizontalFlip(p=flip_prob),
+        RandomScaleResize(size, rng),
+        FixedSizeCropPad(size, fill=fill),
+    ]
+    if recompute_boxes:
+        steps.append(BoxesFromMasks())
+    steps.append(v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True))
+    return v2.Compose(steps)
 
 
 def drop_degenerate_instances(target: dict[str, Any], min_size: float = 1.0) -> tuple[dict[str, Any], int]:
