@@ -43,6 +43,14 @@ class VtdenseCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(*args, **kwargs)
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
+        """``strategy: fsdp`` means vtdense's block-wrapped FSDP (:func:`vtdense.strategies.fsdp_strategy`)."""
+        if config.get("strategy") == "fsdp":
+            from vtdense.strategies import fsdp_strategy
+
+            config = {**config, "strategy": fsdp_strategy()}
+        return super()._instantiate_trainer(config, callbacks)
+
 
 #: The run directory of a trainer (``trainer.log_dir`` or ``default_root_dir``); a collective under DDP.
 run_dir = resolve_run_dir
