@@ -184,8 +184,11 @@ class SegmentationFolder(SkipOnBadSample, Dataset):
     def _sample(self, index: int) -> dict[str, Any]:
         image, mask = self.load(index)
         if self.transform is None:
-            return {"image": image.float() / 255, "mask": mask, "image_size": tuple(image.shape[-2:])}
-        return self.transform(image, mask)
+            sample = {"image": image.float() / 255, "mask": mask, "image_size": tuple(image.shape[-2:])}
+        else:
+            sample = self.transform(image, mask)
+        sample["file"] = Path(self.images[index]).name
+        return sample
 
 
 def _rescale_size(h: int, w: int, scale: Sequence[int]) -> tuple[int, int]:
@@ -296,7 +299,8 @@ def seg_collate(samples: list[dict[str, Any]], ignore_index: int = IGNORE_INDEX)
     """Batch samples of different sizes by padding bottom/right (image 0, mask ``ignore_index``).
 
     Returns:
-        ``{"image": N3HW float, "mask": NHW int64, "image_size": N2 int64, "mask_size": N2 int64}``.
+        ``{"image": N3HW float, "mask": NHW int64, "image_size": N2 int64, "mask_size": N2 int64,
+        "files": [N file names]}`` (``files`` only when the samples name their file).
     """
     ih = max(s["image"].shape[-2] for s in samples)
     iw = max(s["image"].shape[-1] for s in samples)
@@ -316,7 +320,7 @@ def seg_collate(samples: list[dict[str, Any]], ignore_index: int = IGNORE_INDEX)
         "mask": masks,
         "image_size": torch.tensor([list(s["image_size"]) for s in samples], dtype=torch.long),
         "mask_size": torch.tensor([list(s["mask"].shape[-2:]) for s in samples], dtype=torch.long),
-    }
+    } | ({"files": [s["file"] for s in samples]} if all("file" in s for s in samples) else {})
 
 
 def default_ade20k_root() -> Path:

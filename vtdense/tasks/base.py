@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.trainer.states import RunningStage
@@ -37,6 +38,15 @@ from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from vtdense.data.errors import SKIP_REPORT_NAME, write_skip_report
+from vtdense.tasks.fault import (
+    NONFINITE_POLICIES,
+    AtomicCheckpointIO,
+    CheckpointOnSigterm,
+    NonFiniteLossError,
+    check_finite_losses,
+    rng_state,
+    set_rng_state,
+)
 
 __all__ = ["BaseTask", "resolve_run_dir", "atomic_write_bytes"]
 
@@ -88,6 +98,17 @@ class BaseTask(LightningModule):
         self.model: torch.nn.Module | None = None
         self._run_dir: Path | None = None
         self._eval_position = 0
+        self._nonfinite_skipped = 0
+
+    @staticmethod
+    def check_fault_options(nonfinite_loss: str, checkpoint_every_n_steps: int | None) -> None:
+        """Validate the fault-tolerance options every task takes (raises one ``ValueError`` naming the option)."""
+        if nonfinite_loss not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"unknown nonfinite_loss {nonfinite_loss!r} (option 'nonfinite_loss'); choose one of {', '.join(NONFINITE_POLICIES)}"
+            )
+        if checkpoint_every_n_steps is not None and checkpoint_every_n_steps < 1:
+            raise ValueError(f"checkpoint_every_n_steps must be >= 1 or null, got {checkpoint_every_n_steps}")
 
     # ----------------------------------------------------------------- hooks
     def configure_models(self) -> None:
@@ -106,9 +127,12 @@ class BaseTask(LightningModule):
         self.configure_metrics()
 
     def setup(self, stage: str) -> None:
-        """Resolve the run directory on every rank (a collective under DDP)."""
+        """Resolve the run directory on every rank (a collective under DDP); save checkpoints atomically."""
         if self._trainer is not None:
             self._run_dir = resolve_run_dir(self.trainer)
+            strategy = self.trainer.strategy
+            if type(strategy.checkpoint_io) is TorchCheckpointIO:
+                strategy.checkpoint_io = AtomicCheckpointIO()
 
     def on_fit_start(self) -> None:
         """Start the run directory's skip report (``skipped.jsonl``).
@@ -129,10 +153,12 @@ class BaseTask(LightningModule):
             d.skip_file = self.run_dir / SKIP_REPORT_NAME
 
     def configure_callbacks(self) -> list[Callback]:
-        """``last.ckpt`` and the best checkpoint by :attr:`monitor` (none if the trainer has checkpointing off)."""
+        """Checkpoints: the best by :attr:`monitor`, ``last.ckpt`` at each validation, every
+        ``checkpoint_every_n_steps`` optimiser steps (if set) and on SIGTERM. None if the trainer
+        has checkpointing off."""
         if self._trainer is not None and not self.trainer.checkpoint_callbacks:
             return []
-        return [
+        callbacks: list[Callback] = [
             ModelCheckpoint(
                 monitor=self.monitor,
                 mode=self.monitor_mode,
@@ -141,6 +167,49 @@ class BaseTask(LightningModule):
                 auto_insert_metric_name=False,
             )
         ]
+        every = self.hparams.get("checkpoint_every_n_steps")
+        if every:
+            callbacks.append(ModelCheckpoint(save_top_k=0, save_last=True, every_n_train_steps=int(every)))
+        callbacks.append(CheckpointOnSigterm())
+        return callbacks
+
+    # ------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse to write non-finite weights; store every rank's generator states (a collective)."""
+        bad = [n for n, p in self.named_parameters() if not torch.isfinite(p.detach()).all()]
+        if bad:
+            raise NonFiniteLossError(
+                f"refusing to save a checkpoint with non-finite weights ({', '.join(bad[:5])}"
+                f"{', ...' if len(bad) > 5 else ''}); the previous checkpoint is kept"
+            )
+        checkpoint["vtdense_rng"] = self.gather(rng_state())
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """When a fit resumes, restore this rank's generator states (same world size only)."""
+        states = checkpoint.get("vtdense_rng")
+        t = self._trainer
+        if not states or t is None or t.state.fn != "fit":
+            return
+        if len(states) == t.world_size:
+            set_rng_state(states[t.global_rank])
+
+    # --------------------------------------------------------- non-finite loss
+    def nonfinite_step(self, losses: dict[str, Tensor], images: list[Any]) -> bool:
+        """Whether to skip this optimiser step because some rank's loss is NaN or inf.
+
+        With ``nonfinite_loss="error"`` (default) it raises :class:`NonFiniteLossError` naming the
+        term, the step and the batch's images instead. Every rank calls it every training step
+        (the decision is a collective, so all ranks skip or stop together).
+        """
+        message = check_finite_losses(losses, self.global_step, images)
+        any_bad = self.trainer.strategy.reduce_boolean_decision(message is not None, all=False)
+        if not any_bad:
+            return False
+        if self.hparams.get("nonfinite_loss", "error") == "error":
+            raise NonFiniteLossError(message or f"non-finite loss on another rank at step {self.global_step}")
+        self._nonfinite_skipped += 1
+        self.log("train/nonfinite_skipped", float(self._nonfinite_skipped), batch_size=max(len(images), 1))
+        return True
 
     # ------------------------------------------------------------ run directory
     @property

@@ -162,6 +162,8 @@ class DetectionTask(BaseTask):
         metric_backend: str = "pycocotools",
         num_vis_images: int = 4,
         vis_score_thresh: float = 0.5,
+        nonfinite_loss: str = "error",
+        checkpoint_every_n_steps: int | None = None,
     ) -> None:
         """Initialise the task.
 
@@ -197,6 +199,10 @@ class DetectionTask(BaseTask):
             metric_backend: ``pycocotools`` (default, the reference) or ``faster_coco_eval``.
             num_vis_images: validation images drawn with their predictions each epoch.
             vis_score_thresh: minimum score of drawn predictions.
+            nonfinite_loss: a NaN/inf loss ``"error"``s (naming the term and the batch's image ids)
+                or ``"skip"``s the optimiser step (counted in ``train/nonfinite_skipped``).
+            checkpoint_every_n_steps: also write ``last.ckpt`` every this many optimiser steps
+                (mid-epoch; ``--ckpt_path last`` resumes there exactly).
 
         Raises:
             ValueError: an unknown choice (the message names the option and lists the choices).
@@ -228,6 +234,7 @@ class DetectionTask(BaseTask):
             raise ValueError(f"num_classes must be >= 1 (background excluded), got {num_classes}")
         if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"layer_decay must be in (0, 1] (option 'layer_decay'), got {layer_decay}")
+        self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         self.save_hyperparameters()
         self.label_to_category_id: dict[int, int] = {}
         self.category_names: dict[int, str] = {}
@@ -316,11 +323,13 @@ class DetectionTask(BaseTask):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Store the category tables so predictions from a checkpoint carry COCO ids."""
+        super().on_save_checkpoint(checkpoint)
         checkpoint["label_to_category_id"] = self.label_to_category_id
         checkpoint["category_names"] = self.category_names
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the category tables (and build the model if ``num_classes`` was deferred)."""
+        super().on_load_checkpoint(checkpoint)
         self.label_to_category_id = dict(checkpoint.get("label_to_category_id", {}))
         self.category_names = dict(checkpoint.get("category_names", {}))
         if self.model is None:
@@ -386,10 +395,12 @@ class DetectionTask(BaseTask):
             out["masks"] = target["masks"][keep]
         return out
 
-    def training_step(self, batch: tuple[list[Tensor], list[dict[str, Any]]], batch_idx: int) -> Tensor:
-        """One optimisation step: sum of the detector's losses, each term logged."""
+    def training_step(self, batch: tuple[list[Tensor], list[dict[str, Any]]], batch_idx: int) -> Tensor | None:
+        """One optimisation step: sum of the detector's losses, each term logged (``None``: step skipped)."""
         images, targets = batch
         losses = self(list(images), [self._train_target(t) for t in targets])
+        if self.nonfinite_step(losses, [int(t["image_id"]) for t in targets if "image_id" in t]):
+            return None
         loss = sum(losses.values())
         bs = len(images)
         self.log_dict({f"train/{k}": v.detach() for k, v in losses.items()}, batch_size=bs)

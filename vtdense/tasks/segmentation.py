@@ -88,6 +88,9 @@ class SegmentationTask(BaseTask):
         std: per-channel std.
         class_names: names for the per-class table; default: the datamodule's ``class_names``.
         num_vis: validation images saved as colourised predictions beside the ground truth.
+        nonfinite_loss: a NaN/inf loss ``"error"``s (naming the term and the batch's files) or
+            ``"skip"``s the optimiser step (counted in ``train/nonfinite_skipped``).
+        checkpoint_every_n_steps: also write ``last.ckpt`` every this many optimiser steps.
     """
 
     monitor = "val/mIoU"
@@ -121,8 +124,11 @@ class SegmentationTask(BaseTask):
         std: tuple[float, float, float] = (0.229, 0.224, 0.225),
         class_names: list[str] | None = None,
         num_vis: int = 4,
+        nonfinite_loss: str = "error",
+        checkpoint_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
+        self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         self.save_hyperparameters()
         if arch.lower() not in ARCHITECTURES:
             raise ValueError(f"model.arch: unknown architecture {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
@@ -246,8 +252,8 @@ class SegmentationTask(BaseTask):
         return out / count
 
     # --------------------------------------------------------------- training
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        """Cross-entropy (+ weighted aux loss) on one batch."""
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
+        """Cross-entropy (+ weighted aux loss) on one batch (``None``: step skipped, see ``nonfinite_loss``)."""
         image, mask = batch["image"], batch["mask"]
         logits, aux = self._logits(self.normalize(image), with_aux=True)
         loss_main = self.criterion(logits, mask)
@@ -258,6 +264,8 @@ class SegmentationTask(BaseTask):
             loss_aux = self.criterion(aux, mask)
             loss = loss + self.hparams.aux_weight * loss_aux
             logs["train/loss_aux"] = loss_aux
+        if self.nonfinite_step(logs, list(batch.get("files") or [f"batch {batch_idx}, image {i}" for i in range(n)])):
+            return None
         self.log_dict(logs, batch_size=n)
         self.log("train/loss", loss, batch_size=n, prog_bar=True)
         self.log("lr", max(g["lr"] for g in self.trainer.optimizers[0].param_groups), batch_size=n, prog_bar=True)
