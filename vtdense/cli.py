@@ -18,7 +18,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
@@ -27,7 +27,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from vtdense.tasks.base import resolve_run_dir
 
-__all__ = ["VtdenseCLI", "choose_config", "run_dir", "format_metrics_table", "run_recipe"]
+__all__ = ["VtdenseCLI", "choose_config", "find_last_checkpoint", "format_metrics_table", "resume_path", "run_dir", "run_recipe"]
 
 
 class VtdenseCLI(LightningCLI):
@@ -43,6 +43,17 @@ class VtdenseCLI(LightningCLI):
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(*args, **kwargs)
 
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        """``--ckpt_path``: resume fitting from a checkpoint, or ``last`` (the newest ``last.ckpt`` of the run)."""
+        parser.add_argument(
+            "--ckpt_path",
+            type=Optional[str],
+            default=None,
+            help="Resume training from this checkpoint; 'last' resumes the newest run under default_root_dir "
+            "from its last.ckpt (written every model.checkpoint_every_n_steps, at each validation and on SIGTERM), "
+            "in the same run directory.",
+        )
+
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
         """``strategy: fsdp`` means vtdense's block-wrapped FSDP (:func:`vtdense.strategies.fsdp_strategy`)."""
         if config.get("strategy") == "fsdp":
@@ -54,6 +65,42 @@ class VtdenseCLI(LightningCLI):
 
 #: The run directory of a trainer (``trainer.log_dir`` or ``default_root_dir``); a collective under DDP.
 run_dir = resolve_run_dir
+
+
+def find_last_checkpoint(root: str | Path) -> Path | None:
+    """The newest ``<root>/**/checkpoints/last.ckpt`` (by modification time), or ``None``."""
+    found = [p for p in Path(root).glob("**/checkpoints/last.ckpt") if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def resume_path(trainer: Trainer, ckpt_path: str | None) -> str | None:
+    """Resolve ``--ckpt_path`` and, for ``last``, continue in the run directory it came from.
+
+    ``last`` finds the newest ``last.ckpt`` under ``default_root_dir`` and points the trainer's
+    logger at that run's version, so checkpoints, metrics and outputs keep one run directory
+    (Lightning alone would open a new ``version_N`` and find no ``last.ckpt`` there). No
+    ``last.ckpt`` at all means a fresh start (the first run of a requeued job script).
+
+    Raises:
+        FileNotFoundError: ``ckpt_path`` is a path that does not exist.
+    """
+    if ckpt_path is None:
+        return None
+    if ckpt_path != "last":
+        if not os.path.isfile(ckpt_path):
+            raise FileNotFoundError(f"--ckpt_path {ckpt_path!r} does not exist")
+        return ckpt_path
+    last = find_last_checkpoint(trainer.default_root_dir)
+    if last is None:
+        print(f"--ckpt_path last: no last.ckpt under {trainer.default_root_dir}; starting a new run")
+        return None
+    version = last.parent.parent.name
+    logger = trainer.logger
+    if logger is not None and version.startswith("version_") and hasattr(logger, "_version"):
+        logger._version = int(version[len("version_"):]) if version[8:].isdigit() else version
+    if trainer.is_global_zero:
+        print(f"resuming from {last}")
+    return str(last)
 
 
 def _to_float(value: Any) -> float | None:
@@ -149,7 +196,7 @@ def run_recipe(
     cli = VtdenseCLI(task_cls, datamodule_cls, run=False, args=args, parser_kwargs=parser_kwargs)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
 
-    trainer.fit(model, datamodule=datamodule)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=resume_path(trainer, cli.config.get("ckpt_path")))
 
     ckpt_path: str | None = None
     callback = trainer.checkpoint_callback
