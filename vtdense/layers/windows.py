@@ -157,6 +157,23 @@ def _token_index_cached(
         return _token_index(H, W, window, shift, device)
 
 
+@torch.compiler.disable
+def _outside_graph_mask(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> Tensor:
+    mask = _window_mask_cached(int(H), int(W), window, shift, device)
+    return mask if mask is not None else _no_mask(int(H), int(W), window, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_mask(H: int, W: int, window: tuple[int, int], device: torch.device) -> Tensor:
+    n = (-(-H // window[0])) * (-(-W // window[1]))
+    return torch.zeros(n, window[0] * window[1], window[0] * window[1], dtype=torch.bool, device=device)
+
+
+@torch.compiler.disable
+def _outside_graph_index(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor]:
+    return _token_index_cached(int(H), int(W), window, shift, device)
+
+
 def window_attention_mask(
     H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device | str = "cpu"
 ) -> Tensor | None:
@@ -172,7 +189,7 @@ def window_attention_mask(
     a change of size that adds or removes padding needs no new graph.
     """
     if torch.compiler.is_compiling():
-        return _window_mask(H, W, tuple(window), tuple(shift), torch.device(device))
+        return _outside_graph_mask(H, W, tuple(window), tuple(shift), torch.device(device))
     return _window_mask_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
 
 
@@ -192,5 +209,5 @@ def window_token_index(
     Cached per size like the mask; built from tensor ops inside the graph under ``torch.compile``.
     """
     if torch.compiler.is_compiling():
-        return _token_index(H, W, tuple(window), tuple(shift), torch.device(device))
+        return _outside_graph_index(H, W, tuple(window), tuple(shift), torch.device(device))
     return _token_index_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
