@@ -122,7 +122,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
         if contender.endswith("ckpt"):
             model.set_grad_checkpointing(True)
     elif base == "torchvision":
-        model = getattr(torchvision.models, tv_name)(weights=None, stochastic_depth_prob=0.0).features
+        model = getattr(torchvision.models, tv_name)(weights=None).features  # eval rows only: stochastic depth is off
     else:
         raise ValueError(f"unknown contender {contender!r}")
     return randomize_(model)
