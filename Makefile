@@ -2,7 +2,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: train test install install-test clean
+.PHONY: train test bench install install-test clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,11 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
+
+# Side-by-side speed and memory against timm and torchvision (benchmarks/RESULTS.md). BENCH_ARGS=--quick
+# for a short run, BENCH_ARGS="--device cuda" on a GPU.
+bench: $(VENV)/.installed-test
+	$(BIN)/python benchmarks/run.py --device cpu $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -30,15 +30,7 @@ from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp
 from vtdense.layers.position import log_spaced_coords, relative_position_index
-from vtdense.layers.windows import (
-    MASK_VALUE,
-    effective_window,
-    pad_to_window,
-    to_2tuple,
-    window_attention_mask,
-    window_partition,
-    window_reverse,
-)
+from vtdense.layers.windows import MASK_VALUE, effective_window, to_2tuple, window_attention_mask, window_token_index
 
 __all__ = ["WindowAttention", "SwinBlock", "PatchMerging", "SwinTransformer"]
 
@@ -96,6 +88,7 @@ class WindowAttention(nn.Module):
             nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
+        self._bias_cache: dict[tuple, tuple[tuple, Tensor]] = {}
 
     def position_bias(self, window: tuple[int, int]) -> Tensor:
         """``(heads, N, N)`` bias for a window no larger than the nominal one."""
@@ -107,6 +100,44 @@ class WindowAttention(nn.Module):
         n = window[0] * window[1]
         return table[idx.view(-1)].view(n, n, -1).permute(2, 0, 1)
 
+    def _bias_params(self) -> list[Tensor]:
+        return list(self.cpb_mlp.parameters()) if self.cosine else [self.relative_position_bias_table]
+
+    def cached_position_bias(self, window: tuple[int, int], dtype: torch.dtype) -> Tensor:
+        """:meth:`position_bias` in ``dtype``; when no gradient can flow to it (eval, frozen
+        weights) it is cached per (window, dtype) until the weights change, so Swin V2's
+        Log-CPB MLP runs once, not in every forward. On a GPU its rows are padded to 16 entries,
+        the alignment SDPA's memory-efficient kernel reads without a copy."""
+        params = self._bias_params()
+        grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        if grad or torch.compiler.is_compiling():
+            return _pad_rows(self.position_bias(window).to(dtype))
+        key = (window, dtype)
+        stamp = tuple((p._version, p.data_ptr()) for p in params)
+        hit = self._bias_cache.get(key)
+        if hit is not None and hit[0] == stamp:
+            return hit[1]
+        with torch.no_grad():
+            value = _pad_rows(self.position_bias(window).to(dtype))
+        if len(self._bias_cache) >= 8:
+            self._bias_cache.clear()
+        self._bias_cache[key] = (stamp, value)
+        return value
+
+    def attn_term(self, window: tuple[int, int], mask: Tensor | None, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The additive attention term: ``(heads, N, N)`` bias, or ``(nW, heads, N, N)`` with the
+        shift/padding ``mask`` (True = blocked) folded in as :data:`MASK_VALUE`."""
+        bias = self.cached_position_bias(window, dtype)
+        if mask is None:
+            return bias
+        n = bias.shape[-1]
+        if device.type != "cpu" and n % 16:
+            # Build the term in a row-padded buffer (see _pad_rows): one pass, aligned for SDPA.
+            pad = -n % 16
+            full = torch.where(F.pad(mask, (0, pad), value=True)[:, None], MASK_VALUE, F.pad(bias, (0, pad)))
+            return full[..., :n]
+        return torch.where(mask[:, None], MASK_VALUE, bias)
+
     def forward(self, x: Tensor, window: tuple[int, int], mask: Tensor | None = None) -> Tensor:
         """Attend within windows.
 
@@ -116,24 +147,38 @@ class WindowAttention(nn.Module):
             mask: boolean ``(nW, N, N)`` shift/padding mask (True = blocked) or ``None``.
         """
         B, nW, N, C = x.shape
+        h = self.num_heads
         if self.cosine and self.q_bias is not None:
             bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
             qkv = F.linear(x, self.qkv.weight, bias)
         else:
             qkv = self.qkv(x)
-        q, k, v = qkv.view(B, nW, N, 3, self.num_heads, C // self.num_heads).permute(3, 0, 1, 4, 2, 5).unbind(0)
-        attn_mask = self.position_bias(window)
-        if mask is not None:
-            attn_mask = torch.where(mask[:, None], MASK_VALUE, attn_mask[None])  # nW, heads, N, N
+        qkv = qkv.view(B, nW, N, 3, h, C // h)
+        term = self.attn_term(window, mask, qkv.dtype, x.device)
+        dropout = self.attn_drop if self.training else 0.0
         if self.cosine:
-            scale = torch.clamp(self.logit_scale, max=_LOGIT_SCALE_MAX).exp()
-            q = F.normalize(q, dim=-1) * scale
-            k = F.normalize(k, dim=-1)
-            out = attention(q, k, v, attn_mask, scale=1.0, dropout=self.attn_drop if self.training else 0.0)
+            # Scaled cosine attention, fused: one pass scales q by logit_scale / |q| and k by 1 / |k|.
+            qk = qkv[:, :, :, :2]
+            inv = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
+            scale = torch.clamp(self.logit_scale, max=_LOGIT_SCALE_MAX).exp().view(1, h, 1)
+            qk = qk * (inv * torch.cat((scale, torch.ones_like(scale))).to(inv.dtype))
+            q, k = qk.permute(3, 0, 1, 4, 2, 5).unbind(0)
+            v = qkv[:, :, :, 2].transpose(2, 3)
+            out = attention(q, k, v, term, scale=1.0, dropout=dropout)
         else:
-            out = attention(q, k, v, attn_mask, dropout=self.attn_drop if self.training else 0.0)
-        out = out.permute(0, 1, 3, 2, 4).reshape(B, nW, N, C)
+            q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).unbind(0)
+            out = attention(q, k, v, term, dropout=dropout)
+        out = out.transpose(2, 3).reshape(B, nW, N, C)
         return self.proj_drop(self.proj(out))
+
+
+def _pad_rows(t: Tensor, value: float | bool = 0.0) -> Tensor:
+    """On a GPU, ``t`` as a view into a buffer whose last-dim rows are padded to multiples of 16
+    elements: SDPA's memory-efficient kernel reads such a bias in place instead of copying it."""
+    pad = -t.shape[-1] % 16
+    if t.device.type == "cpu" or not pad:
+        return t
+    return F.pad(t, (0, pad), value=value)[..., : t.shape[-1]]
 
 
 class SwinBlock(nn.Module):
@@ -183,15 +228,13 @@ class SwinBlock(nn.Module):
     def _window_attention(self, x: Tensor) -> Tensor:
         B, H, W, C = x.shape
         window, shift = effective_window((H, W), self.window_size, self.shift_size)
-        x = pad_to_window(x, window)
-        Hp, Wp = x.shape[1:3]
-        if any(shift):
-            x = torch.roll(x, shifts=(-shift[0], -shift[1]), dims=(1, 2))
+        # Roll, padding and partition are one gather; reverse, roll back and crop another.
+        gather, scatter = window_token_index(H, W, window, shift, x.device)
         mask = window_attention_mask(H, W, window, shift, x.device)
-        x = window_reverse(self.attn(window_partition(x, window), window, mask), window, Hp, Wp)
-        if any(shift):
-            x = torch.roll(x, shifts=shift, dims=(1, 2))
-        return x[:, :H, :W] if (Hp, Wp) != (H, W) else x
+        n = window[0] * window[1]
+        windows = x.reshape(B, H * W, C).index_select(1, gather).view(B, -1, n, C)
+        out = self.attn(windows, window, mask)
+        return out.view(B, -1, C).index_select(1, scatter).view(B, H, W, C)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.post_norm:

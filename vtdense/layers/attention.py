@@ -1,15 +1,114 @@
-"""The one attention kernel of vtdense: ``scaled_dot_product_attention`` with an additive mask.
+"""The one attention kernel of vtdense: softmax attention with one additive term.
 
 Swin V1, Swin V2 and MViTv2 differ only in what they feed it (a bias table, Log-CPB with
-cosine logits, or decomposed relative positions).
+cosine logits, or decomposed relative positions, each with the shift/padding mask folded in).
+
+Three interchangeable paths compute it (same outputs to float rounding):
+
+- ``"sdpa"`` (default): ``F.scaled_dot_product_attention`` with the term as ``attn_mask`` in the
+  query's dtype. On a GPU that reaches the memory-efficient kernel; on the CPU its flash kernel.
+- ``"flex"``: PyTorch's FlexAttention, the term read by a ``score_mod`` (nothing is expanded over
+  the batch). Meant for GPUs under ``torch.compile``; without compile it runs PyTorch's reference
+  implementation (slow, but exact), which the tests use.
+- ``"math"``: explicit ``softmax(q k^T * scale + term) v``; the reference and CPU fallback.
+
+Windowed callers pass ``q, k, v`` as ``(B, nW, heads, N, d)`` and a per-window term
+``(nW, heads, N, N)``. The windows are then folded into the head dimension, ``(B, nW*heads, N, d)``,
+so the term is one ``(1, nW*heads, N, N)`` tensor that broadcasts over the batch without a copy.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["attention"]
+__all__ = ["attention", "set_attention_backend", "attention_backend", "get_attention_backend", "flex_available"]
+
+_BACKENDS = ("sdpa", "flex", "math")
+_backend = "sdpa"
+#: fold per-window terms into the heads (else expand the term over the batch); see attention()
+_FOLD_WINDOWS = True
+
+
+def flex_available() -> bool:
+    """Whether this torch has FlexAttention (``torch.nn.attention.flex_attention``)."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def set_attention_backend(name: str) -> None:
+    """Choose the attention path for every vtdense model: ``"sdpa"``, ``"flex"`` or ``"math"``."""
+    global _backend
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(_BACKENDS)}")
+    if name == "flex" and not flex_available():
+        raise ValueError(f"attention backend 'flex' needs torch.nn.attention.flex_attention, which torch {torch.__version__} lacks")
+    _backend = name
+
+
+def get_attention_backend() -> str:
+    """The attention path in use (see :func:`set_attention_backend`)."""
+    return _backend
+
+
+@contextlib.contextmanager
+def attention_backend(name: str) -> Iterator[None]:
+    """Context manager form of :func:`set_attention_backend`."""
+    old = _backend
+    set_attention_backend(name)
+    try:
+        yield
+    finally:
+        set_attention_backend(old)
+
+
+def _math(q: Tensor, k: Tensor, v: Tensor, term: Tensor | None, scale: float, dropout: float) -> Tensor:
+    attn = torch.matmul(q * scale, k.transpose(-2, -1))
+    if term is not None:
+        attn = attn + term
+    attn = attn.softmax(dim=-1)
+    if dropout:
+        attn = F.dropout(attn, p=dropout)
+    return torch.matmul(attn, v)
+
+
+_flex_compiled = None
+
+
+def _flex_kernel(device: torch.device):  # noqa: ANN202
+    """FlexAttention compiled into a fused kernel on GPUs (once per process); the reference
+    implementation elsewhere, and inside a graph torch.compile is already tracing."""
+    global _flex_compiled
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if device.type == "cpu" or torch.compiler.is_compiling():
+        return flex_attention
+    if _flex_compiled is None:
+        _flex_compiled = torch.compile(flex_attention, dynamic=True)
+    return _flex_compiled
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, term: Tensor | None, scale: float, dropout: float) -> Tensor:
+    flex_attention = _flex_kernel(q.device)
+
+    if dropout:
+        raise ValueError("the 'flex' attention backend has no attention dropout; use 'sdpa' or 'math' to train with attn_drop")
+    if term is None:
+        return flex_attention(q, k, v, scale=scale)
+    # term: (1 or B, H, Nq, Nk); the batch index is clamped so a shared term is read for all.
+    shared = term.shape[0] == 1
+
+    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + term[0 if shared else b, h, q_idx, kv_idx]
+
+    return flex_attention(q, k, v, score_mod=score_mod, scale=scale)
 
 
 def attention(
@@ -19,28 +118,54 @@ def attention(
     mask: Tensor | None = None,
     scale: float | None = None,
     dropout: float = 0.0,
+    backend: str | None = None,
 ) -> Tensor:
     """Multi-head attention over the last two dims.
 
     Args:
-        q: ``(..., heads, Nq, d)``; ``k``, ``v``: ``(..., heads, Nk, d)``. Leading dims are flattened
-            into one batch dim so the fused SDPA kernels apply.
-        mask: additive mask broadcastable to ``(..., heads, Nq, Nk)``; cast to ``q``'s dtype.
+        q: ``(..., heads, Nq, d)``; ``k``, ``v``: ``(..., heads, Nk, d)``. For windowed attention
+            the leading dims are ``(B, nW)``.
+        mask: additive term, cast to ``q``'s dtype: ``(heads, Nq, Nk)`` shared by all leading
+            dims; ``(nW, heads, Nq, Nk)`` per window (the last leading dim) shared over the batch;
+            or ``(..., heads, Nq, Nk)`` with q's leading dims (size-1 dims broadcast).
         scale: logit scale; ``None`` means ``d ** -0.5``.
         dropout: dropout on the attention weights (pass 0 in eval).
+        backend: ``"sdpa"``, ``"flex"`` or ``"math"``; ``None``: :func:`get_attention_backend`.
 
     Returns:
         ``(..., heads, Nq, d)``.
     """
+    backend = backend or _backend
     lead = q.shape[:-3]
     h, nq, d = q.shape[-3:]
     nk = k.shape[-2]
-    q4 = q.reshape(-1, h, nq, d)
-    k4 = k.reshape(-1, h, nk, k.shape[-1])
-    v4 = v.reshape(-1, h, nk, v.shape[-1])
-    if mask is not None:
-        # A view when the mask is shared over the leading dims; a copy only when it varies
-        # along some but not all of them (e.g. per-window masks shared over the batch).
-        mask = mask.to(q.dtype).expand(*lead, h, nq, nk).reshape(-1, h, nq, nk)
-    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, dropout_p=dropout, scale=scale)
+    scale = d**-0.5 if scale is None else scale
+    fold = _FOLD_WINDOWS and mask is not None and mask.dim() == 4 < q.dim() and mask.shape[0] > 1
+    if fold:
+        # Per-window term: fold the windows into the heads, (B, nW*h, N, d), so the term is one
+        # (1, nW*h, N, N) tensor broadcast over the batch (no copy of it per image).
+        nw = mask.shape[0]
+        if lead[-1] != nw:
+            raise ValueError(f"a per-window mask of {nw} windows needs q of (..., {nw}, heads, N, d), got {tuple(q.shape)}")
+        h_all = nw * h
+        term = mask.to(q.dtype).reshape(1, h_all, nq, nk)
+    else:
+        h_all = h
+        if mask is None:
+            term = None
+        elif mask.dim() == q.dim() or mask.dim() == 4 < q.dim():  # a term per leading index, or per window
+            term = mask.to(q.dtype).expand(*lead, h, nq, nk).reshape(-1, h, nq, nk)
+        else:
+            term = mask.to(q.dtype).reshape(1, h, nq, nk)
+    q4 = q.reshape(-1, h_all, nq, d)
+    k4 = k.reshape(-1, h_all, nk, k.shape[-1])
+    v4 = v.reshape(-1, h_all, nk, v.shape[-1])
+    if backend == "sdpa":
+        out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=term, dropout_p=dropout, scale=scale)
+    elif backend == "math":
+        out = _math(q4, k4, v4, term, scale, dropout)
+    elif backend == "flex":
+        out = _flex(q4, k4, v4, term, scale, dropout)
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(_BACKENDS)}")
     return out.reshape(*lead, h, nq, v.shape[-1])

@@ -21,16 +21,20 @@ __all__ = [
 ]
 
 
-@functools.lru_cache(maxsize=64)
 def _rel_index(window: tuple[int, int], table_window: tuple[int, int], device: torch.device) -> Tensor:
-    with torch.inference_mode(False):
-        coords = torch.stack(
-            torch.meshgrid(torch.arange(window[0]), torch.arange(window[1]), indexing="ij")
-        ).flatten(1)  # 2, N
-        rel = coords[:, :, None] - coords[:, None, :]  # 2, N, N
-        rows = rel[0] + table_window[0] - 1
-        cols = rel[1] + table_window[1] - 1
-        return (rows * (2 * table_window[1] - 1) + cols).to(device)
+    coords = torch.stack(
+        torch.meshgrid(torch.arange(window[0], device=device), torch.arange(window[1], device=device), indexing="ij")
+    ).flatten(1)  # 2, N
+    rel = coords[:, :, None] - coords[:, None, :]  # 2, N, N
+    rows = rel[0] + table_window[0] - 1
+    cols = rel[1] + table_window[1] - 1
+    return rows * (2 * table_window[1] - 1) + cols
+
+
+@functools.lru_cache(maxsize=64)
+def _rel_index_cached(window: tuple[int, int], table_window: tuple[int, int], device: torch.device) -> Tensor:
+    with torch.inference_mode(False), torch.no_grad():
+        return _rel_index(window, table_window, device)
 
 
 def relative_position_index(
@@ -39,11 +43,15 @@ def relative_position_index(
     """``(N, N)`` index into a ``(2Th-1)*(2Tw-1)`` table for every token pair of a window.
 
     ``window`` may be smaller than the ``table_window`` the table was made for (a feature map
-    smaller than the window): an offset keeps its entry, so the bias keeps its meaning.
+    smaller than the window): an offset keeps its entry, so the bias keeps its meaning. Cached per
+    argument set; under ``torch.compile`` built from tensor ops inside the graph instead (Dynamo
+    would trace through the cache and specialise on its arguments).
     """
     if window[0] > table_window[0] or window[1] > table_window[1]:
         raise ValueError(f"window {window} is larger than the position table's window {table_window}")
-    return _rel_index(tuple(window), tuple(table_window), torch.device(device))
+    if torch.compiler.is_compiling():
+        return _rel_index(tuple(window), tuple(table_window), torch.device(device))
+    return _rel_index_cached(tuple(window), tuple(table_window), torch.device(device))
 
 
 def log_spaced_coords(table_window: tuple[int, int], norm_window: tuple[int, int]) -> Tensor:

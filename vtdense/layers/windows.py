@@ -25,6 +25,7 @@ __all__ = [
     "window_partition",
     "window_reverse",
     "window_attention_mask",
+    "window_token_index",
 ]
 
 #: Additive value for masked logits. Finite (a fully masked row of a padded query stays
@@ -80,13 +81,60 @@ def window_reverse(windows: Tensor, window: tuple[int, int], H: int, W: int) -> 
     return x.reshape(B, H, W, C)
 
 
-def _region_labels(n_pad: int, window: int, shift: int) -> Tensor:
-    """Shift-region id of each position of the rolled axis (0 for no shift)."""
-    labels = torch.zeros(n_pad, dtype=torch.long)
-    if shift:
-        labels[n_pad - window : n_pad - shift] = 1
-        labels[n_pad - shift :] = 2
-    return labels
+def _region_labels(n_pad: Tensor | int, n: int | Tensor, window: int, shift: int, device: torch.device) -> Tensor:
+    """Shift-region id (0, 1, 2) of each position of a rolled, padded axis of length ``n_pad``."""
+    r = torch.arange(n_pad, device=device)
+    if not shift:
+        return torch.zeros_like(r)
+    return (r >= n_pad - window).long() + (r >= n_pad - shift).long()
+
+
+def _grid_to_windows(t: Tensor, window: tuple[int, int]) -> Tensor:
+    """``(Hp, Wp, ...)`` -> ``(nW, wh*ww, ...)`` in :func:`window_partition`'s order."""
+    Hp, Wp = t.shape[:2]
+    wh, ww = window
+    rest = t.shape[2:]
+    t = t.reshape(Hp // wh, wh, Wp // ww, ww, *rest).transpose(1, 2)
+    return t.reshape((Hp // wh) * (Wp // ww), wh * ww, *rest)
+
+
+def _token_index(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor]:
+    # Pure tensor arithmetic on the sizes, so torch.compile can trace it with symbolic H, W.
+    wh, ww = window
+    sh, sw = shift
+    Hp, Wp = H + (-H % wh), W + (-W % ww)
+    # The rolled, padded grid holds at (r, c) the token ((r + sh) % Hp, (c + sw) % Wp).
+    r = (torch.arange(Hp, device=device) + sh) % Hp
+    c = (torch.arange(Wp, device=device) + sw) % Wp
+    valid = (r[:, None] < H) & (c[None, :] < W)
+    # Padded slots read token 0: they are masked as keys and dropped as queries, so any finite
+    # value will do, and no padded copy of the map is needed.
+    src = torch.where(valid, r[:, None] * W + c[None, :], 0)
+    gather = _grid_to_windows(src, window).reshape(-1)
+    # Where token (i, j) sits in the windowed sequence.
+    ri = (torch.arange(H, device=device) - sh) % Hp
+    cj = (torch.arange(W, device=device) - sw) % Wp
+    n = wh * ww
+    win = (ri // wh)[:, None] * (Wp // ww) + (cj // ww)[None, :]
+    scatter = win * n + (ri % wh)[:, None] * ww + (cj % ww)[None, :]
+    return gather, scatter.reshape(-1)
+
+
+def _window_mask(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> Tensor:
+    wh, ww = window
+    Hp, Wp = H + (-H % wh), W + (-W % ww)
+    rh = _region_labels(Hp, H, wh, shift[0], device)
+    rw = _region_labels(Wp, W, ww, shift[1], device)
+    region = rh[:, None] * 3 + rw[None, :]
+    r = (torch.arange(Hp, device=device) + shift[0]) % Hp
+    c = (torch.arange(Wp, device=device) + shift[1]) % Wp
+    valid = (r[:, None] < H) & (c[None, :] < W)
+    reg, val = _grid_to_windows(region, window), _grid_to_windows(valid, window)  # nW, N
+    return (reg[:, :, None] != reg[:, None, :]) | ~val[:, None, :]
+
+
+def _needs_mask(H: int, W: int, window: tuple[int, int], shift: tuple[int, int]) -> bool:
+    return bool(any(shift) or H % window[0] or W % window[1])
 
 
 # Bool masks (1 byte per entry) and a bounded cache: multi-scale training visits many sizes, and
@@ -95,21 +143,35 @@ def _region_labels(n_pad: int, window: int, shift: int) -> Tensor:
 def _window_mask_cached(
     H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device
 ) -> Tensor | None:
-    Hp, Wp = H + (-H % window[0]), W + (-W % window[1])
-    if not any(shift) and (Hp, Wp) == (H, W):
+    if not _needs_mask(H, W, window, shift):
         return None
     with torch.inference_mode(False), torch.no_grad():
-        # Labels on the rolled grid: region id (3 per axis) and key validity.
-        rh, rw = _region_labels(Hp, window[0], shift[0]), _region_labels(Wp, window[1], shift[1])
-        region = (rh[:, None] * 3 + rw[None, :]).float()
-        valid = torch.zeros(Hp, Wp)
-        valid[:H, :W] = 1.0
-        valid = torch.roll(valid, shifts=(-shift[0], -shift[1]), dims=(0, 1))
-        grid = torch.stack([region, valid], dim=-1)[None]  # 1, Hp, Wp, 2
-        win = window_partition(grid, window)[0]  # nW, N, 2
-        reg, val = win[..., 0], win[..., 1]
-        blocked = (reg[:, :, None] != reg[:, None, :]) | (val[:, None, :] == 0)
-        return blocked.to(device)
+        return _window_mask(H, W, window, shift, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _token_index_cached(
+    H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    with torch.inference_mode(False), torch.no_grad():
+        return _token_index(H, W, window, shift, device)
+
+
+@torch.compiler.disable
+def _outside_graph_mask(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> Tensor:
+    mask = _window_mask_cached(int(H), int(W), window, shift, device)
+    return mask if mask is not None else _no_mask(int(H), int(W), window, device)
+
+
+@functools.lru_cache(maxsize=16)
+def _no_mask(H: int, W: int, window: tuple[int, int], device: torch.device) -> Tensor:
+    n = (-(-H // window[0])) * (-(-W // window[1]))
+    return torch.zeros(n, window[0] * window[1], window[0] * window[1], dtype=torch.bool, device=device)
+
+
+@torch.compiler.disable
+def _outside_graph_index(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor]:
+    return _token_index_cached(int(H), int(W), window, shift, device)
 
 
 def window_attention_mask(
@@ -121,5 +183,31 @@ def window_attention_mask(
     Blocks attention across shift regions (SW-MSA) and to padded keys; callers turn it into the
     additive term with ``torch.where(mask, MASK_VALUE, bias)``. ``None`` when nothing needs
     masking. Cached per (H, W, window, shift, device): built once per feature-map size.
+
+    Under ``torch.compile`` the mask is built from tensor ops on the (possibly symbolic) sizes
+    inside the graph instead, and is never ``None`` (an all-False mask when nothing is masked), so
+    a change of size that adds or removes padding needs no new graph.
     """
+    if torch.compiler.is_compiling():
+        return _outside_graph_mask(H, W, tuple(window), tuple(shift), torch.device(device))
     return _window_mask_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
+
+
+def window_token_index(
+    H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
+    """Index pair that does roll, padding and window partition in one gather, and undoes them.
+
+    Returns:
+        ``gather``: ``(nW * N,)`` indices into the ``H * W`` row-major tokens; ``tokens[:, gather]``
+        equals ``window_partition(roll(pad_to_window(tokens), -shift))`` flattened over windows,
+        except that padded slots hold a copy of token 0 instead of zeros (they must be masked as
+        keys with :func:`window_attention_mask`, and their outputs are dropped).
+        ``scatter``: ``(H * W,)`` position of each token in that sequence, so
+        ``windows[:, scatter]`` is :func:`window_reverse`, roll back and crop in one gather.
+
+    Cached per size like the mask; built from tensor ops inside the graph under ``torch.compile``.
+    """
+    if torch.compiler.is_compiling():
+        return _outside_graph_index(H, W, tuple(window), tuple(shift), torch.device(device))
+    return _token_index_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))

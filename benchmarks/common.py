@@ -1,0 +1,244 @@
+"""Shared helpers of the vtdense benchmarks: timing, FLOP counting, matmul peak, peak memory.
+
+Every benchmark script imports from here (one home for the helpers):
+
+- :func:`interleaved_times` times several contenders in the same process, one call of each in
+  turn per repeat, so slow drifts of a shared machine hit every contender alike;
+- :func:`count_flops` counts the FLOPs of one call with ``torch.utils.flop_counter``;
+- :func:`matmul_peak` measures the device's dense matmul throughput in the same run, the yardstick
+  for achieved FLOP/s;
+- :func:`isolated_peak_rss` runs one call in a fresh worker forked from a clean fork server and
+  returns its peak resident-set growth (CPU); :func:`cuda_peak` does the same on a GPU with
+  ``max_memory_allocated``;
+- :func:`randomize_` gives models random weights that keep every branch alive (timm zero-inits
+  some norms).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import multiprocessing as mp
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+import torch
+
+__all__ = [
+    "randomize_",
+    "sync",
+    "interleaved_times",
+    "count_flops",
+    "matmul_peak",
+    "rss_mib",
+    "isolated_peak_rss",
+    "cuda_peak",
+    "environment",
+]
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Overwrite every parameter with seeded random values (norm weights near 1, V2 logit scales
+    in [1, 3], everything else ``N(0, 0.05)``)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("logit_scale"):
+                v = torch.rand(p.shape, generator=g) * 2 + 1
+            elif p.ndim == 1 and "norm" in name and name.endswith("weight"):
+                v = torch.rand(p.shape, generator=g) + 0.5
+            else:
+                v = torch.randn(p.shape, generator=g) * 0.05
+            p.copy_(v.to(p.device, p.dtype))
+    return model
+
+
+def sync(device: str) -> None:
+    """Wait for queued GPU work (no-op on the CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _time_once(fn: Callable[[], object], device: str) -> float:
+    if device.startswith("cuda"):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def interleaved_times(
+    fns: dict[str, Callable[[], object]], device: str, warmup: int, repeats: int
+) -> dict[str, list[float]]:
+    """Milliseconds per call of each function, measured in turn: warm-up rounds first (not
+    recorded), then ``repeats`` rounds of one call per contender. CUDA events on a GPU."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+            sync(device)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(repeats):
+        # Rotate the order so no contender always runs right after the same other one.
+        names = list(fns)
+        names = names[r % len(names) :] + names[: r % len(names)]
+        for k in names:
+            times[k].append(_time_once(fns[k], device))
+    return times
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def count_flops(fn: Callable[[], object]) -> float:
+    """FLOPs of one call (matmuls, convolutions and attention; a multiply-add counts 2)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())
+
+
+def matmul_peak(device: str, dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 1.0) -> float:
+    """Dense square matmul throughput of the device in FLOP/s (best of repeated timings)."""
+    n = n or (1536 if device == "cpu" else 8192)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.mm(a, b)
+    sync(device)
+    best, spent = float("inf"), 0.0
+    while spent < seconds * 1e3 or best == float("inf"):
+        ms = _time_once(lambda: torch.mm(a, b), device)
+        best, spent = min(best, ms), spent + ms
+    return 2 * n**3 / (best / 1e3)
+
+
+def rss_mib() -> float:
+    """Current resident set of this process in MiB."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def _hwm_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS mark to the current RSS (Linux ``clear_refs`` 5)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _peak_rss_worker(make_step: Callable[..., Callable[[], object]], args: tuple, threads: int) -> float:
+    torch.set_num_threads(threads)
+    step = make_step(*args)
+    _trim()
+    base = rss_mib()
+    if not _reset_hwm():
+        return float("nan")
+    step()
+    return _hwm_mib() - base
+
+
+_SERVER: mp.context.BaseContext | None = None
+
+
+def isolated_peak_rss(make_step: Callable[..., Callable[[], object]], args: tuple, threads: int) -> float:
+    """Peak resident-set growth (MiB) of the first call of ``make_step(*args)()``, measured in a
+    fresh process forked from a fork server that has imported the libraries but run nothing.
+
+    The step is built (model, inputs) before the baseline is taken, so the figure is the memory
+    the call itself needs: activations, gradients, workspaces, caches it builds. The first call
+    is measured, not a later one, because freed memory a process keeps (malloc arenas) would hide
+    a later call's needs. ``make_step`` must be importable (a module-level function).
+    """
+    global _SERVER
+    if _SERVER is None:
+        _SERVER = mp.get_context("forkserver")
+        _SERVER.set_forkserver_preload(["torch", "timm", "torchvision", "vtdense"])
+    with _SERVER.Pool(1, maxtasksperchild=1) as pool:
+        return pool.apply(_peak_rss_worker, (make_step, args, threads))
+
+
+def cuda_peak(step: Callable[[], object]) -> float:
+    """Peak GPU memory (MiB) one call allocates above what was allocated before it."""
+    _trim()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def environment(device: str) -> dict[str, object]:
+    """Date, device, library versions and machine load, for the report header."""
+    import timm
+    import torchvision
+
+    import vtdense
+
+    env: dict[str, object] = {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "device": device,
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "timm": timm.__version__,
+        "vtdense": f"{vtdense.__version__} ({_git_commit()})",
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+    if device.startswith("cuda"):
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
