@@ -78,6 +78,10 @@ def register_converter(family: str) -> Callable:
     return wrap
 
 
+# Lightning checkpoints of vtdense's own tasks: SegmentationTask (SMP encoder), DetectionTask (FPN body).
+_TASK_PREFIXES = ("model.encoder.backbone.", "model.backbone.body.")
+
+
 def _strip_prefix(sd: dict[str, Tensor], prefixes: tuple[str, ...]) -> dict[str, Tensor]:
     for prefix in prefixes:
         if any(k.startswith(prefix) for k in sd):
@@ -100,7 +104,7 @@ def _family(model: nn.Module) -> str:
 def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     from vtdense.layers.position import resize_bias_table
 
-    sd = _strip_prefix(sd, ("backbone.bottom_up.", "backbone.", "encoder.model.", "encoder."))
+    sd = _strip_prefix(sd, _TASK_PREFIXES + ("backbone.bottom_up.", "backbone.", "encoder.model.", "encoder."))
     if any(k.startswith("features.") for k in sd):
         sd = _from_torchvision_swin(sd)
     elif any(k.startswith("stages.") for k in sd):
@@ -217,7 +221,7 @@ def _mvitv2_flat_to_staged(sd: dict[str, Tensor], depths: tuple[int, ...], expan
 def _convert_mvitv2(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     from vtdense.layers.position import resize_rel_pos_table
 
-    sd = _strip_prefix(sd, ("backbone.bottom_up.", "backbone.", "model."))
+    sd = _strip_prefix(sd, _TASK_PREFIXES + ("backbone.bottom_up.", "backbone.", "model."))
     if any(re.match(r"blocks\.\d+\.", k) for k in sd):
         sd = _mvitv2_flat_to_staged(sd, tuple(model.depths), bool(model.expand_attn))
     own = model.state_dict()
@@ -245,8 +249,9 @@ _logger = logging.getLogger("vtdense.checkpoints")
 def detect_format(state_dict: Mapping[str, Tensor], model: nn.Module) -> str:
     """Name the key layout of an (unwrapped) state dict for ``model``'s family.
 
-    Returns one of ``vtdense``, ``timm``, ``timm features_only``, ``official``, ``torchvision``,
-    ``mmdet``, ``detectron2``, ``mvit (original)``.
+    Returns one of ``vtdense``, ``vtdense task checkpoint`` (a Lightning checkpoint of
+    ``SegmentationTask`` / ``DetectionTask``), ``timm``, ``timm features_only``, ``official``,
+    ``torchvision``, ``mmdet``, ``detectron2``, ``mvit (original)``.
     """
     keys = list(state_dict)
 
@@ -254,6 +259,8 @@ def detect_format(state_dict: Mapping[str, Tensor], model: nn.Module) -> str:
         rx = re.compile(pattern)
         return any(rx.match(k) for k in keys)
 
+    if has(r"model\.(encoder\.backbone|backbone\.body)\."):
+        return "vtdense task checkpoint"
     if has(r"backbone\.bottom_up\."):
         return "detectron2"
     if _family(model) == "mvitv2":
@@ -289,7 +296,7 @@ def _drop_reason(key: str, prefixes_stripped: bool) -> str:
         return "derived buffer, recomputed by vtdense"
     if _CLASSIFIER.search(bare):
         return "classification head / final norm"
-    if prefixes_stripped and key.startswith(("backbone.", "roi_heads.", "proposal_generator.", "decode_head.", "neck.")):
+    if prefixes_stripped and key.startswith(("backbone.", "model.", "roi_heads.", "proposal_generator.", "decode_head.", "neck.")):
         return "not part of the backbone (neck / head)"
     return "stage or output the model does not build"
 
