@@ -14,8 +14,13 @@ One table of rules per format. Formats are detected from the keys, never from fi
   (``model_state`` wrapper, flat ``blocks.{i}``, ``blocks.{i}.proj``) and detectron2
   (``backbone.bottom_up.``, ``scale{k}_norm``), mapped onto stages through the depths.
 
+- vtdense task checkpoints: the backbone part (``model.encoder.backbone.`` of ``SegmentationTask``,
+  ``model.backbone.body.`` of ``DetectionTask``) of a Lightning ``.ckpt``.
+
 Wrappers (``model``, ``state_dict``, ``model_state``, ``module.``) are stripped first. Tables that
-depend on the window (V1 bias tables) are resized when the target window differs.
+depend on the window (V1 bias tables) are resized when the target window differs. Files and Hub
+ids are resolved by :mod:`vtdense.checkpoints.hub` and read by :mod:`vtdense.checkpoints.io`;
+what a load did is a :class:`~vtdense.checkpoints.report.LoadReport`.
 """
 
 from __future__ import annotations
