@@ -422,10 +422,13 @@ class SwinTransformer(Backbone):
 
 def _per_stage_windows(value: int | Sequence[Any], num_stages: int) -> list[tuple[int, int]]:
     """``pretrained_window_size`` as one ``(h, w)`` per stage (``(0, 0)`` = not given)."""
+    def one(v: int | Sequence[int]) -> tuple[int, int]:
+        return (0, 0) if v == 0 or (not isinstance(v, int) and tuple(v) == (0, 0)) else to_2tuple(v, "pretrained_window_size")
+
     if not isinstance(value, int) and len(value) == num_stages and (num_stages != 2 or not all(isinstance(v, int) for v in value)):
-        return [(0, 0) if not v else to_2tuple(v, "pretrained_window_size") for v in value]
+        return [one(v) for v in value]
     if isinstance(value, int) or len(value) == 2:
-        return [(0, 0) if not value or value in ((0, 0), [0, 0]) else to_2tuple(value, "pretrained_window_size")] * num_stages
+        return [one(value)] * num_stages
     raise ValueError(f"pretrained_window_size must be an int, (h, w) or one entry per stage ({num_stages}), got {value!r}")
 
 
