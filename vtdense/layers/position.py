@@ -47,11 +47,16 @@ def relative_position_index(
     return _rel_index(tuple(window), tuple(table_window), torch.device(device))
 
 
-def log_spaced_coords(table_window: tuple[int, int], norm_window: tuple[int, int]) -> Tensor:
+def log_spaced_coords(
+    table_window: tuple[int, int], norm_window: tuple[int, int], device: torch.device | str | None = None
+) -> Tensor:
     """Swin V2 Log-CPB input: ``((2Th-1)*(2Tw-1), 2)`` relative offsets, normalised by
     ``norm_window - 1`` to [-1, 1], scaled to [-8, 8] and mapped through ``sign(x) log2(1+|x|) / 3``.
     """
-    axes = [torch.arange(-(t - 1), t, dtype=torch.float32) / max(n - 1, 1) for t, n in zip(table_window, norm_window)]
+    axes = [
+        torch.arange(-(t - 1), t, dtype=torch.float32, device=device) / max(n - 1, 1)
+        for t, n in zip(table_window, norm_window)
+    ]
     table = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1) * 8.0
     table = torch.sign(table) * torch.log2(table.abs() + 1.0) / math.log2(8)
     return table.reshape(-1, 2)
@@ -59,10 +64,9 @@ def log_spaced_coords(table_window: tuple[int, int], norm_window: tuple[int, int
 
 @functools.lru_cache(maxsize=64)
 def _log_cpb_coords(window: tuple[int, int], pretrained_window: tuple[int, int], device: torch.device) -> Tensor:
-    with torch.inference_mode(False), torch.device("cpu"):
+    with torch.inference_mode(False):
         norm = pretrained_window if pretrained_window[0] > 0 else window
-        coords = log_spaced_coords(window, norm)
-    return coords.to(device)
+        return log_spaced_coords(window, norm, device="cpu").to(device)
 
 
 def log_cpb_coords(
