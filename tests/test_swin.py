@@ -179,12 +179,17 @@ def _brute_force_window_attention(block: SwinBlock, x: torch.Tensor) -> torch.Te
     if attn.cosine:
         qkv_b = torch.cat([attn.q_bias, torch.zeros_like(attn.q_bias), attn.v_bias])
         qkv = torch.nn.functional.linear(tokens, attn.qkv.weight, qkv_b)
-        table = 16 * torch.sigmoid(attn.cpb_mlp(attn.relative_coords_table))
+        # Log-CPB of the window in use, normalised by it (no pretrained window), as timm / official
+        axes = [torch.arange(-(n - 1), n, dtype=torch.float32) / max(n - 1, 1) * 8 for n in (wh, ww)]
+        coords = torch.stack(torch.meshgrid(*axes, indexing="ij"), -1).reshape(-1, 2)
+        coords = torch.sign(coords) * torch.log2(coords.abs() + 1) / 3
+        table = 16 * torch.sigmoid(attn.cpb_mlp(coords))
+        Wh, Ww = wh, ww
     else:
         qkv = attn.qkv(tokens)
         table = attn.relative_position_bias_table
+        Wh, Ww = attn.window_size
     q, k, v = qkv.view(H, W, 3, heads, d).unbind(2)
-    Wh, Ww = attn.window_size
     out = torch.zeros(H, W, C)
     for p, (p0, p1, group) in pos.items():
         keys = [kk for kk, (_, _, g) in pos.items() if g == group]

@@ -1,7 +1,7 @@
 """vtdense: hierarchical vision transformers (Swin V1/V2, MViTv2) for dense prediction."""
 
 from vtdense.backbones import Backbone, create_backbone, list_backbones, register_backbone
-from vtdense.checkpoints.convert import CheckpointError, load_backbone, load_pretrained, save_backbone
+from vtdense.checkpoints.convert import CheckpointError, LoadReport, load_backbone, load_pretrained, save_backbone
 
 __version__ = "0.1.0.dev0"
 
@@ -11,6 +11,7 @@ import vtdense.models.segmentation  # noqa: E402,F401
 __all__ = [
     "Backbone",
     "CheckpointError",
+    "LoadReport",
     "__version__",
     "create_backbone",
     "list_backbones",

@@ -49,18 +49,33 @@ def list_backbones() -> list[str]:
     return sorted(_BACKBONES)
 
 
-def create_backbone(name: str, **overrides: Any) -> nn.Module:
-    """Build a registered backbone with random weights.
+def create_backbone(name: str, pretrained: Any = None, **overrides: Any) -> nn.Module:
+    """Build a registered backbone, with random weights or from a checkpoint.
 
     Args:
         name: one of :func:`list_backbones`.
+        pretrained: optional weights, anything :func:`vtdense.load_pretrained` takes: a Hugging
+            Face Hub id (``"timm/swin_tiny_patch4_window7_224.ms_in1k"``), a local file of any
+            supported format, or a state dict. The load's report is ``model.load_report``.
         **overrides: config fields to change (``window_size``, ``drop_path_rate``, ``out_indices``, ...).
 
     Raises:
         ValueError: unknown name (the message lists the known ones) or unknown override.
+        vtdense.CheckpointError: ``pretrained`` not found, unreadable, or not fitting the model.
     """
     if name not in _BACKBONES:
         raise ValueError(f"unknown backbone {name!r}; known backbones: {', '.join(list_backbones())}")
+    if pretrained is False:
+        pretrained = None
+    if pretrained is True:
+        raise ValueError(
+            f"create_backbone({name!r}, pretrained=True): vtdense has no default weights; pass a Hub id "
+            "(e.g. 'timm/swin_tiny_patch4_window7_224.ms_in1k'), a local checkpoint path or a state dict"
+        )
     model = _BACKBONES[name](**overrides)
     model.config = {"name": name, **overrides}  # what save_backbone needs to rebuild it
+    if pretrained is not None:
+        from vtdense.checkpoints.convert import load_pretrained  # lazy: checkpoints import the backbones
+
+        model.load_report = load_pretrained(model, pretrained)
     return model

@@ -29,7 +29,7 @@ from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp
-from vtdense.layers.position import log_spaced_coords, relative_position_index
+from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
 from vtdense.layers.windows import MASK_VALUE, effective_window, to_2tuple, window_attention_mask, window_token_index
 
 __all__ = ["WindowAttention", "SwinBlock", "PatchMerging", "SwinTransformer"]
@@ -46,7 +46,7 @@ class WindowAttention(nn.Module):
         window_size: nominal window ``(h, w)``; the position table is made for it.
         cosine: Swin V2 scaled cosine attention with Log-CPB (otherwise V1's bias table).
         pretrained_window_size: V2 only; window the Log-CPB coordinates are normalised by
-            (0 = ``window_size``), to fine-tune at a larger window than pre-training.
+            (0 = the window in use), to fine-tune at a larger window than pre-training.
         qkv_bias: learn q/k/v biases (V2: q and v only).
         attn_drop: dropout on attention weights.
         proj_drop: dropout after the output projection.
@@ -78,9 +78,11 @@ class WindowAttention(nn.Module):
             self.cpb_mlp = nn.Sequential(
                 nn.Linear(2, 512, bias=True), nn.ReLU(inplace=True), nn.Linear(512, num_heads, bias=False)
             )
-            norm_window = pretrained_window_size if pretrained_window_size[0] > 0 else window_size
+            self.pretrained_window_size = tuple(pretrained_window_size)
             self.register_buffer(
-                "relative_coords_table", log_spaced_coords(window_size, norm_window), persistent=False
+                "relative_coords_table",
+                log_spaced_coords(window_size, self.pretrained_window_size if self.pretrained_window_size[0] > 0 else window_size),
+                persistent=False,
             )
         else:
             self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
@@ -91,12 +93,23 @@ class WindowAttention(nn.Module):
         self._bias_cache: dict[tuple, tuple[tuple, Tensor]] = {}
 
     def position_bias(self, window: tuple[int, int]) -> Tensor:
-        """``(heads, N, N)`` bias for a window no larger than the nominal one."""
+        """``(heads, N, N)`` bias for a window no larger than the nominal one.
+
+        V1 reads the sub-block of its table. V2 follows timm and the official code exactly: the
+        Log-CPB coordinates are those of the window in use (shrunk to a small map), normalised by
+        ``pretrained_window_size`` if given, else by that window, per axis.
+        """
+        window = tuple(window)
         if self.cosine:
-            table = 16 * torch.sigmoid(self.cpb_mlp(self.relative_coords_table))
+            coords = self.relative_coords_table
+            if window != tuple(self.window_size):
+                coords = log_cpb_coords(window, self.pretrained_window_size, coords.device)
+            table = 16 * torch.sigmoid(self.cpb_mlp(coords))
+            table_window = window
         else:
             table = self.relative_position_bias_table
-        idx = relative_position_index(window, self.window_size, table.device)
+            table_window = self.window_size
+        idx = relative_position_index(window, table_window, table.device)
         n = window[0] * window[1]
         return table[idx.view(-1)].view(n, n, -1).permute(2, 0, 1)
 
@@ -325,7 +338,10 @@ class SwinTransformer(Backbone):
         num_heads: attention heads per stage.
         window_size: attention window, int or ``(h, w)``.
         version: 1 or 2.
-        pretrained_window_size: V2 only: window of the checkpoint being fine-tuned (0 = same).
+        pretrained_window_size: V2 only: window the checkpoint was pre-trained with, which
+            normalises the Log-CPB coordinates (0 = the window in use, as timm and the official
+            code do). An int, ``(h, w)``, or one entry per stage (e.g. ``(12, 12, 12, 6)`` like
+            timm's ``swinv2_*_window12to24_192to384``); a pair of ints is always ``(h, w)``.
         mlp_ratio: MLP hidden width over channels.
         qkv_bias: learn q/k/v (V2: q/v) biases.
         drop_rate: dropout after projections.
@@ -373,8 +389,8 @@ class SwinTransformer(Backbone):
         if not 0.0 <= drop_path_rate < 1.0:
             raise ValueError(f"drop_path_rate must be in [0, 1), got {drop_path_rate}")
         window = to_2tuple(window_size, "window_size")
-        pretrained_window = (0, 0) if not pretrained_window_size else to_2tuple(pretrained_window_size, "pretrained_window_size")
-        if version == 1 and pretrained_window != (0, 0):
+        pretrained_windows = _per_stage_windows(pretrained_window_size, len(depths))
+        if version == 1 and any(w != (0, 0) for w in pretrained_windows):
             raise ValueError("pretrained_window_size only applies to Swin V2 (version=2)")
         self.version = version
         self.in_chans = in_chans
@@ -400,7 +416,7 @@ class SwinTransformer(Backbone):
                     grad_checkpointing=grad_checkpointing,
                     num_heads=num_heads[i],
                     window_size=window,
-                    pretrained_window_size=pretrained_window,
+                    pretrained_window_size=pretrained_windows[i],
                     mlp_ratio=mlp_ratio,
                     qkv_bias=qkv_bias,
                     drop=drop_rate,
@@ -445,6 +461,18 @@ class SwinTransformer(Backbone):
         self.check_input(x)
         x = self.patch_embed(x)
         return self.emit_pyramid(x, self.layers)
+
+
+def _per_stage_windows(value: int | Sequence[Any], num_stages: int) -> list[tuple[int, int]]:
+    """``pretrained_window_size`` as one ``(h, w)`` per stage (``(0, 0)`` = not given)."""
+    def one(v: int | Sequence[int]) -> tuple[int, int]:
+        return (0, 0) if v == 0 or (not isinstance(v, int) and tuple(v) == (0, 0)) else to_2tuple(v, "pretrained_window_size")
+
+    if not isinstance(value, int) and len(value) == num_stages and (num_stages != 2 or not all(isinstance(v, int) for v in value)):
+        return [one(v) for v in value]
+    if isinstance(value, int) or len(value) == 2:
+        return [one(value)] * num_stages
+    raise ValueError(f"pretrained_window_size must be an int, (h, w) or one entry per stage ({num_stages}), got {value!r}")
 
 
 # name -> (embed_dim, depths, num_heads); the papers' configs.

@@ -14,12 +14,18 @@ One table of rules per format. Formats are detected from the keys, never from fi
   (``model_state`` wrapper, flat ``blocks.{i}``, ``blocks.{i}.proj``) and detectron2
   (``backbone.bottom_up.``, ``scale{k}_norm``), mapped onto stages through the depths.
 
+- vtdense task checkpoints: the backbone part (``model.encoder.backbone.`` of ``SegmentationTask``,
+  ``model.backbone.body.`` of ``DetectionTask``) of a Lightning ``.ckpt``.
+
 Wrappers (``model``, ``state_dict``, ``model_state``, ``module.``) are stripped first. Tables that
-depend on the window (V1 bias tables) are resized when the target window differs.
+depend on the window (V1 bias tables) are resized when the target window differs. Files and Hub
+ids are resolved by :mod:`vtdense.checkpoints.hub` and read by :mod:`vtdense.checkpoints.io`;
+what a load did is a :class:`~vtdense.checkpoints.report.LoadReport`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from pathlib import Path
@@ -28,9 +34,14 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from vtdense.checkpoints.io import SAFETENSORS_CONFIG_KEY, CheckpointError, read_checkpoint, write_safetensors
+from vtdense.checkpoints.report import LoadReport, note_derived, note_resized
+
 __all__ = [
     "CheckpointError",
+    "LoadReport",
     "convert_state_dict",
+    "detect_format",
     "load_backbone",
     "load_pretrained",
     "register_converter",
@@ -41,10 +52,6 @@ __all__ = [
 _DROP = re.compile(
     r"(relative_position_index|relative_coords_table|attn_mask|\.k_bias$|^head\.|^fc\.|^norm\.|^fc_norm\.|^head_drop|^cls_token$)"
 )
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read or does not fit the model."""
 
 
 def _unwrap(obj: object, source: str) -> dict[str, Tensor]:
@@ -76,6 +83,10 @@ def register_converter(family: str) -> Callable:
     return wrap
 
 
+# Lightning checkpoints of vtdense's own tasks: SegmentationTask (SMP encoder), DetectionTask (FPN body).
+_TASK_PREFIXES = ("model.encoder.backbone.", "model.backbone.body.")
+
+
 def _strip_prefix(sd: dict[str, Tensor], prefixes: tuple[str, ...]) -> dict[str, Tensor]:
     for prefix in prefixes:
         if any(k.startswith(prefix) for k in sd):
@@ -98,7 +109,7 @@ def _family(model: nn.Module) -> str:
 def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     from vtdense.layers.position import resize_bias_table
 
-    sd = _strip_prefix(sd, ("backbone.bottom_up.", "backbone.", "encoder.model.", "encoder."))
+    sd = _strip_prefix(sd, _TASK_PREFIXES + ("backbone.bottom_up.", "backbone.", "encoder.model.", "encoder."))
     if any(k.startswith("features.") for k in sd):
         sd = _from_torchvision_swin(sd)
     elif any(k.startswith("stages.") for k in sd):
@@ -117,12 +128,16 @@ def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
             # one q/k/v bias (torchvision V2, whose k third is zeroed at run time) -> q_bias, v_bias
             q, _, vb = v.chunk(3)
             out[k.replace("qkv.bias", "q_bias")], out[k.replace("qkv.bias", "v_bias")] = q, vb
+            for part in ("q_bias", "v_bias"):
+                note_derived(k.replace("qkv.bias", part), "a third of the checkpoint's qkv.bias (Swin V2 has no k bias)", v)
             continue
         if k.endswith("relative_position_bias_table") and k in own and own[k].shape != v.shape:
             new = model.window_size
             old_side = int(round(v.shape[0] ** 0.5))
             old = ((old_side + 1) // 2, (old_side + 1) // 2)
-            v = resize_bias_table(v, old, new)
+            resized = resize_bias_table(v, old, new)
+            note_resized(k, v, resized, f"Swin V1 bias table, window {old[0]}x{old[1]} -> {new[0]}x{new[1]} (bicubic)")
+            v = resized
         out[k] = v
     return out
 
@@ -166,7 +181,9 @@ def _from_mmdet_swin(sd: dict[str, Tensor]) -> dict[str, Tensor]:
         if m:
             k = f"layers.{int(m[1]) + 1}.downsample.{m[2]}"
             if m[2] in ("reduction.weight", "norm.weight", "norm.bias"):  # V1 norm is on 4C
-                v = _unfold_to_concat(v)
+                permuted = _unfold_to_concat(v)
+                note_derived(f"layers.{int(m[1]) + 1}.downsample.{m[2]}", "4C axis permuted from mmdet's unfold order", v)
+                v = permuted
         out[re.sub(r"^stages\.", "layers.", k)] = v
     return out
 
@@ -209,7 +226,7 @@ def _mvitv2_flat_to_staged(sd: dict[str, Tensor], depths: tuple[int, ...], expan
 def _convert_mvitv2(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     from vtdense.layers.position import resize_rel_pos_table
 
-    sd = _strip_prefix(sd, ("backbone.bottom_up.", "backbone.", "model."))
+    sd = _strip_prefix(sd, _TASK_PREFIXES + ("backbone.bottom_up.", "backbone.", "model."))
     if any(re.match(r"blocks\.\d+\.", k) for k in sd):
         sd = _mvitv2_flat_to_staged(sd, tuple(model.depths), bool(model.expand_attn))
     own = model.state_dict()
@@ -224,9 +241,48 @@ def _convert_mvitv2(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor
         if k.startswith("out_norms.") and k not in own:
             continue  # output norms of outputs the model does not emit (or out_norm=False)
         if re.search(r"\.rel_pos_[hw]$", k) and k in own and own[k].shape[0] != v.shape[0]:
-            v = resize_rel_pos_table(v, own[k].shape[0])  # checkpoint made for another img_size
+            resized = resize_rel_pos_table(v, own[k].shape[0])  # checkpoint made for another img_size
+            note_resized(k, v, resized, "MViTv2 decomposed rel-pos table resampled (linear) for the model's img_size / window")
+            v = resized
         out[k] = v
     return out
+
+
+_logger = logging.getLogger("vtdense.checkpoints")
+
+
+def detect_format(state_dict: Mapping[str, Tensor], model: nn.Module) -> str:
+    """Name the key layout of an (unwrapped) state dict for ``model``'s family.
+
+    Returns one of ``vtdense``, ``vtdense task checkpoint`` (a Lightning checkpoint of
+    ``SegmentationTask`` / ``DetectionTask``), ``timm``, ``timm features_only``, ``official``,
+    ``torchvision``, ``mmdet``, ``detectron2``, ``mvit (original)``.
+    """
+    keys = list(state_dict)
+
+    def has(pattern: str) -> bool:
+        rx = re.compile(pattern)
+        return any(rx.match(k) for k in keys)
+
+    if has(r"model\.(encoder\.backbone|backbone\.body)\."):
+        return "vtdense task checkpoint"
+    if has(r"backbone\.bottom_up\."):
+        return "detectron2"
+    if _family(model) == "mvitv2":
+        if has(r"(model\.)?blocks\.\d+\."):
+            return "mvit (original)"
+        return "vtdense" if has(r"out_norms\.") else "timm"
+    if has(r"(backbone\.)?features\.\d"):
+        return "torchvision"
+    if has(r"(backbone\.)?stages\.\d") or has(r"backbone\."):
+        return "mmdet"
+    if has(r"layers_\d\."):
+        return "timm features_only"
+    if "layers.0.downsample.reduction.weight" in state_dict:
+        return "official"
+    if has(r"out_norms\."):
+        return "vtdense"
+    return "timm"
 
 
 def convert_state_dict(state_dict: object, model: nn.Module, source: str = "state dict") -> dict[str, Tensor]:
@@ -235,39 +291,122 @@ def convert_state_dict(state_dict: object, model: nn.Module, source: str = "stat
     return _CONVERTERS[_family(model)](sd, model)
 
 
+_CLASSIFIER = re.compile(r"^(head\.|fc\.|norm\.|fc_norm\.|head_drop|cls_token$)")
+_DERIVED = re.compile(r"(relative_position_index|relative_coords_table|attn_mask|\.k_bias$)")
+
+
+def _drop_reason(key: str, prefixes_stripped: bool) -> str:
+    bare = re.sub(r"^(backbone\.bottom_up\.|backbone\.|model\.|encoder\.)", "", key)
+    if _DERIVED.search(bare):
+        return "derived buffer, recomputed by vtdense"
+    if _CLASSIFIER.search(bare):
+        return "classification head / final norm"
+    if prefixes_stripped and key.startswith(("backbone.", "model.", "roi_heads.", "proposal_generator.", "decode_head.", "neck.")):
+        return "not part of the backbone (neck / head)"
+    return "stage or output the model does not build"
+
+
+def _source_window(config: dict | None, hub_config: dict | None) -> tuple[int, int] | None:
+    """Window of the checkpoint from its vtdense config or its Hub config.json."""
+    from vtdense.checkpoints.hub import window_from_hub_config
+    from vtdense.layers.windows import to_2tuple
+
+    if config and "name" in config:
+        from vtdense.backbones.registry import create_backbone
+
+        try:
+            with torch.device("meta"):
+                built = create_backbone(config["name"], **{k: v for k, v in config.items() if k != "name"})
+            window = getattr(built, "window_size", None)
+            return to_2tuple(window) if window else None
+        except (ValueError, TypeError):
+            return None
+    w = window_from_hub_config(hub_config)
+    return (w, w) if w else None
+
+
+def _window_notes(report: LoadReport, model: nn.Module) -> None:
+    """Advice on Swin V2's ``pretrained_window_size`` when the checkpoint's window is known."""
+    from vtdense.backbones.swin import SwinTransformer, WindowAttention
+
+    if not isinstance(model, SwinTransformer) or model.version != 2 or report.source_window is None:
+        return
+    src = tuple(report.source_window)
+    if src == tuple(model.window_size):
+        return
+    pws = next(m.pretrained_window_size for m in model.modules() if isinstance(m, WindowAttention))
+    if tuple(pws) == src:
+        report.notes.append(
+            f"Swin V2 trained at window {src[0]}x{src[1]}, run at {model.window_size[0]}x{model.window_size[1]}: "
+            f"Log-CPB coordinates are normalised by pretrained_window_size={src[0]}, so every offset keeps its "
+            "meaning (no table to resize; the MLP extrapolates to the new, larger offsets)"
+        )
+    else:
+        shown = "0 (the window in use)" if pws[0] == 0 else f"{pws[0]}x{pws[1]}"
+        report.notes.append(
+            f"Swin V2 trained at window {src[0]}x{src[1]} but this model runs window {model.window_size[0]}x"
+            f"{model.window_size[1]} with pretrained_window_size={shown}: the Log-CPB coordinates will not mean the "
+            f"offsets they meant in training; pass pretrained_window_size={src[0]} to fine-tune at the larger window"
+        )
+
+
+def _read_source(state_dict_or_path: object, report: LoadReport) -> object:
+    """Resolve a path / Hub id and read it; fills the report's source fields."""
+    if not isinstance(state_dict_or_path, (str, os.PathLike)):
+        return state_dict_or_path
+    from vtdense.checkpoints.hub import HubError, resolve_checkpoint
+
+    try:
+        where = resolve_checkpoint(state_dict_or_path)
+    except FileNotFoundError as e:
+        raise CheckpointError(str(e)) from None
+    except HubError as e:
+        raise CheckpointError(str(e)) from e
+    file = read_checkpoint(where.path)
+    report.container = file.container
+    report.source_config = file.vtdense_config or where.config
+    report.source_window = _source_window(file.vtdense_config, where.config)
+    return file.obj
+
+
 def load_pretrained(
-    model: nn.Module, state_dict_or_path: str | os.PathLike | Mapping[str, Tensor], *, strict: bool = True
-) -> tuple[list[str], list[str]]:
+    model: nn.Module,
+    state_dict_or_path: str | os.PathLike | Mapping[str, Tensor],
+    *,
+    strict: bool = True,
+    log: bool = True,
+) -> LoadReport:
     """Load a checkpoint of any supported format into a vtdense backbone.
 
     Args:
         model: a vtdense backbone.
-        state_dict_or_path: a state dict, a checkpoint dict wrapping one, or a ``.pth``/``.pt``/
-            ``.ckpt``/``.safetensors`` file.
+        state_dict_or_path: a state dict (or a checkpoint dict wrapping one); a local file
+            (safetensors, torch ``.pth``/``.pt``/``.ckpt``/``.bin``, detectron2 ``.pkl``; the
+            container is recognised from the content); or a Hugging Face Hub id such as
+            ``"timm/swin_tiny_patch4_window7_224.ms_in1k"`` (``hf-hub:`` prefix optional), fetched
+            through ``huggingface_hub`` (its cache, ``HF_HUB_OFFLINE`` and token apply).
         strict: raise :class:`CheckpointError` listing missing and unexpected keys when the
             checkpoint does not fit (output norms absent from classification checkpoints are
             tolerated and keep their initialisation).
+        log: log :meth:`LoadReport.summary` on the ``vtdense.checkpoints`` logger (INFO).
 
     Returns:
-        ``(missing, unexpected)`` key lists (empty under ``strict`` unless tolerated).
-    """
-    source = "state dict"
-    obj: object = state_dict_or_path
-    if isinstance(state_dict_or_path, (str, os.PathLike)):
-        path = Path(state_dict_or_path)
-        source = str(path)
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint file not found: {path}")
-        try:
-            if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
+        A :class:`LoadReport`: the ``(missing, unexpected)`` key lists (empty under ``strict``
+        unless tolerated) with what was mapped, resized and dropped as attributes.
 
-                obj = load_file(str(path))
-            else:
-                obj = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - re-raised with the file name
-            raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
-    sd = convert_state_dict(obj, model, source)
+    Raises:
+        CheckpointError: file or Hub id not found, unreadable or unsafe file, or (``strict``) a
+            checkpoint that does not fit; the message names the file or id.
+    """
+    source = str(state_dict_or_path) if isinstance(state_dict_or_path, (str, os.PathLike)) else "state dict"
+    report = LoadReport(source)
+    report.model_name = type(model).__name__
+    obj = _read_source(state_dict_or_path, report)
+    raw = _unwrap(obj, source)
+    report.format = "vtdense" if report.source_config and "name" in report.source_config else detect_format(raw, model)
+    origin = {id(v): k for k, v in raw.items()}
+    with report:
+        sd = _CONVERTERS[_family(model)](raw, model)
     own = model.state_dict()
     shape_errors = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in sd.items() if k in own and own[k].shape != v.shape]
     missing = [k for k in own if k not in sd]
@@ -285,39 +424,89 @@ def load_pretrained(
         raise CheckpointError("\n".join(lines))
     fitting = {k: v for k, v in sd.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(fitting, strict=False)
-    return missing, unexpected
+
+    used = set()
+    for k, v in fitting.items():
+        src = origin.get(id(v))
+        if src is not None:  # loaded as it is (resized and derived tensors are listed apart)
+            report.loaded.append((src, k))
+            used.add(src)
+    stripped = any(k.startswith(("backbone.", "model.", "encoder.")) for k in raw)
+    report.dropped.extend((k, _drop_reason(k, stripped)) for k, v in raw.items() if k not in used and id(v) not in report.consumed)
+    report.missing.extend(missing)
+    report.unexpected.extend(unexpected)
+    _window_notes(report, model)
+    if log:
+        _logger.info("%s", report.summary())
+    return report
 
 
 def save_backbone(model: nn.Module, path: str | os.PathLike) -> Path:
-    """Save a backbone made by ``create_backbone`` with its config, so :func:`load_backbone`
-    rebuilds it without knowing the options (the file is a plain ``torch.save`` dict)."""
+    """Save a backbone made by ``create_backbone`` as safetensors, its config in the metadata.
+
+    :func:`load_backbone` rebuilds it without knowing the options; any safetensors reader gets
+    the weights (the config is the JSON string under the ``vtdense_backbone`` metadata key).
+    The file is written whatever its suffix (``.safetensors`` is the natural one).
+
+    Raises:
+        ValueError: a model not made by ``create_backbone``, or a config that is not JSON.
+    """
+    import json
+
+    from vtdense import __version__
+
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"{type(model).__name__} was not made by vtdense.create_backbone; save its state_dict instead")
+    try:
+        text = json.dumps(dict(config))
+    except TypeError as e:
+        raise ValueError(f"backbone config {config!r} cannot be stored as JSON: {e}") from e
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save({"vtdense_backbone": dict(config), "state_dict": model.state_dict()}, tmp)
-    tmp.replace(path)  # never leave a half-written file where a good one was
+    write_safetensors(path, model.state_dict(), {SAFETENSORS_CONFIG_KEY: text, "format": "pt", "vtdense_version": __version__})
     return path
 
 
 def load_backbone(path: str | os.PathLike, **overrides: object) -> nn.Module:
-    """Rebuild a backbone written by :func:`save_backbone` (``overrides`` change its options,
-    e.g. a larger ``window_size`` for fine-tuning; tables are resized as needed)."""
+    """Rebuild a backbone written by :func:`save_backbone` (safetensors, or the ``.pth`` files
+    of vtdense < 0.1); ``path`` may also be a Hub id.
+
+    ``overrides`` change its options, e.g. a larger ``window_size`` for fine-tuning: Swin V1
+    bias tables are resized, MViTv2 tables resampled, and a Swin V2 saved without
+    ``pretrained_window_size`` gets ``pretrained_window_size=<saved window>`` unless the
+    overrides set it, so its Log-CPB coordinates keep their meaning. The returned model's
+    ``load_report`` attribute is the :class:`LoadReport`.
+    """
     from vtdense.backbones.registry import create_backbone
 
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint file not found: {path}")
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - re-raised with the file name
-        raise CheckpointError(f"cannot read checkpoint {path}: {e}") from e
-    if not isinstance(obj, dict) or "vtdense_backbone" not in obj:
+    report = LoadReport(str(path))
+    obj = _read_source(path, report)
+    if not report.source_config or "name" not in report.source_config:
         raise CheckpointError(f"{path} was not written by vtdense.save_backbone; use load_pretrained on a created backbone")
-    config = dict(obj["vtdense_backbone"])
+    config = dict(report.source_config)
     name = config.pop("name")
-    model = create_backbone(name, **{**config, **overrides})
-    load_pretrained(model, obj["state_dict"])
+    options = {**config, **overrides}
+    saved_window = report.source_window
+    if (
+        name.startswith("swinv2")
+        and saved_window is not None
+        and "window_size" in overrides
+        and "pretrained_window_size" not in overrides
+        and not config.get("pretrained_window_size")
+    ):
+        from vtdense.layers.windows import to_2tuple
+
+        if to_2tuple(overrides["window_size"]) != tuple(saved_window):
+            options["pretrained_window_size"] = list(saved_window)
+    model = create_backbone(name, **options)
+    state = obj["state_dict"] if isinstance(obj, dict) and "state_dict" in obj else obj
+    loaded = load_pretrained(model, state, log=False)
+    for attr in ("source", "container", "source_config", "source_window"):
+        setattr(loaded, attr, getattr(report, attr))
+    loaded.format = "vtdense"
+    loaded.notes.clear()
+    _window_notes(loaded, model)
+    _logger.info("%s", loaded.summary())
+    model.load_report = loaded
     return model

@@ -14,6 +14,7 @@ from torch import Tensor
 __all__ = [
     "relative_position_index",
     "log_spaced_coords",
+    "log_cpb_coords",
     "resize_bias_table",
     "resize_rel_pos_table",
     "rel_pos_lookup",
@@ -54,14 +55,41 @@ def relative_position_index(
     return _rel_index_cached(tuple(window), tuple(table_window), torch.device(device))
 
 
-def log_spaced_coords(table_window: tuple[int, int], norm_window: tuple[int, int]) -> Tensor:
+def log_spaced_coords(
+    table_window: tuple[int, int], norm_window: tuple[int, int], device: torch.device | str | None = None
+) -> Tensor:
     """Swin V2 Log-CPB input: ``((2Th-1)*(2Tw-1), 2)`` relative offsets, normalised by
     ``norm_window - 1`` to [-1, 1], scaled to [-8, 8] and mapped through ``sign(x) log2(1+|x|) / 3``.
     """
-    axes = [torch.arange(-(t - 1), t, dtype=torch.float32) / max(n - 1, 1) for t, n in zip(table_window, norm_window)]
+    axes = [
+        torch.arange(-(t - 1), t, dtype=torch.float32, device=device) / max(n - 1, 1)
+        for t, n in zip(table_window, norm_window)
+    ]
     table = torch.stack(torch.meshgrid(*axes, indexing="ij"), dim=-1) * 8.0
     table = torch.sign(table) * torch.log2(table.abs() + 1.0) / math.log2(8)
     return table.reshape(-1, 2)
+
+
+@functools.lru_cache(maxsize=64)
+def _log_cpb_coords(window: tuple[int, int], pretrained_window: tuple[int, int], device: torch.device) -> Tensor:
+    with torch.inference_mode(False):
+        norm = pretrained_window if pretrained_window[0] > 0 else window
+        return log_spaced_coords(window, norm, device="cpu").to(device)
+
+
+def log_cpb_coords(
+    window: tuple[int, int], pretrained_window: tuple[int, int] = (0, 0), device: torch.device | str = "cpu"
+) -> Tensor:
+    """Swin V2 Log-CPB input for the window *in use*, as the reference implementations compute it.
+
+    The coordinates cover ``window`` (a window already shrunk to a small feature map) and are
+    normalised by ``pretrained_window`` when it is given (``> 0``), else by ``window`` itself,
+    per axis. Cached per (window, pretrained window, device).
+
+    Returns:
+        ``((2h-1)*(2w-1), 2)`` float32 coordinates, row-major over (dy, dx).
+    """
+    return _log_cpb_coords(tuple(window), tuple(pretrained_window), torch.device(device))
 
 
 def resize_bias_table(table: Tensor, old_window: tuple[int, int], new_window: tuple[int, int]) -> Tensor:

@@ -334,6 +334,7 @@ def build_detector(
     *,
     fpn_channels: int = 256,
     backbone_kwargs: dict[str, Any] | None = None,
+    backbone_weights: Any = None,
     slim_heads: bool = False,
     mask_head_channels: int | None = None,
     mask_head_layers: int = 4,
@@ -357,6 +358,9 @@ def build_detector(
             and torchvision heads get ``num_classes + 1`` outputs.
         fpn_channels: FPN channels.
         backbone_kwargs: overrides for ``create_backbone`` when ``backbone`` is a name.
+        backbone_weights: backbone checkpoint loaded with ``vtdense.load_pretrained``: a Hugging Face
+            Hub id (``"timm/swin_tiny_patch4_window7_224.ms_in1k"``), a local file of any supported
+            format, or a state dict. Its report is ``model.backbone.body.load_report``.
         slim_heads: use small R-CNN heads (64-channel mask head, 256-wide box head, 64 RoIs per
             image) for options left at ``None``; the published sizes are 256 / 1024 / 512.
         mask_head_channels: Mask R-CNN mask head conv channels.
@@ -397,6 +401,10 @@ def build_detector(
         raise ValueError(f"backbone must be a vtdense Backbone or a backbone name, got {type(backbone).__name__}")
     if mask_head_layers < 1:
         raise ValueError(f"mask_head_layers must be >= 1, got {mask_head_layers}")
+    if backbone_weights is not None:
+        from vtdense.checkpoints.convert import load_pretrained
+
+        backbone.load_report = load_pretrained(backbone, backbone_weights)
 
     if head == "fcos" and fpn_channels % 32:
         raise ValueError(f"fpn_channels={fpn_channels}: the fcos head uses GroupNorm(32), so it must be a multiple of 32")

@@ -75,7 +75,7 @@ def encoder_options(**options: Any) -> Iterator[None]:
     SMP's ``get_encoder`` drops keyword arguments for registered (non-``tu-``) encoders, so
     this is how ``window_size``, ``drop_path_rate`` and the like reach a vtdense encoder that
     an SMP model builds. ``weights`` (a local checkpoint path or state dict) is loaded with
-    :func:`vtdense.load_pretrained` after the backbone is built.
+    :func:`vtdense.load_pretrained` after the backbone is built (a path, Hub id or state dict).
 
     Example:
         >>> with encoder_options(window_size=8, drop_path_rate=0.3):  # doctest: +SKIP
@@ -88,25 +88,43 @@ def encoder_options(**options: Any) -> Iterator[None]:
         _PENDING_OPTIONS.reset(token)
 
 
-class _LocalWeightsOnly(Mapping):
-    """``pretrained_settings`` of a vtdense encoder: no downloadable weights.
+class _HubWeights(Mapping):
+    """``pretrained_settings`` of a vtdense encoder: any Hugging Face Hub id is a valid
+    ``encoder_weights``.
 
-    SMP checks ``encoder_weights in pretrained_settings``; answering with one clear error is
-    better than SMP's generic ``KeyError`` listing an empty set of options.
+    SMP checks ``encoder_weights in pretrained_settings``, downloads ``config.json`` and
+    ``model.safetensors`` of ``settings["repo_id"]`` with ``hf_hub_download`` (so the Hub cache,
+    ``HF_HUB_OFFLINE`` and the token apply) and calls ``encoder.load_state_dict``, which
+    :class:`VtdenseEncoder` routes through :func:`vtdense.load_pretrained` (any layout: timm,
+    official, torchvision, ...). Anything that is not a Hub id gets one clear error.
     """
 
     def __init__(self, encoder_name: str) -> None:
         self.encoder_name = encoder_name
 
-    def __contains__(self, key: object) -> bool:
-        raise ValueError(
-            f"encoder {self.encoder_name!r} has no downloadable weights (encoder_weights={key!r}); "
-            "pass encoder_weights=None and give a local checkpoint with "
-            "build_segmentor(..., backbone_weights=PATH) or encoder_options(weights=PATH)"
-        )
+    def _settings(self, key: object) -> dict[str, Any]:
+        from vtdense.checkpoints.hub import _split, is_hub_id
 
-    def __getitem__(self, key: str) -> Any:
-        raise KeyError(key)
+        hint = "build_segmentor(..., backbone_weights=...) or encoder_options(weights=...)"
+        if not isinstance(key, str) or not is_hub_id(key) or Path(key).is_file():
+            raise ValueError(
+                f"encoder {self.encoder_name!r}: encoder_weights={key!r} is not a Hugging Face Hub id (org/repo); "
+                f"local files and state dicts go through {hint}"
+            )
+        repo_id, revision, filename = _split(key)
+        if filename is not None:
+            raise ValueError(
+                f"encoder {self.encoder_name!r}: SMP reads only model.safetensors from a Hub repo, not {filename!r}; "
+                f"give other files through {hint}"
+            )
+        return {"repo_id": repo_id, "revision": revision}
+
+    def __contains__(self, key: object) -> bool:
+        self._settings(key)
+        return True
+
+    def __getitem__(self, key: str) -> dict[str, Any]:
+        return self._settings(key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(())
@@ -114,25 +132,38 @@ class _LocalWeightsOnly(Mapping):
     def __len__(self) -> int:
         return 0
 
-    def __deepcopy__(self, memo: dict) -> "_LocalWeightsOnly":
+    def __deepcopy__(self, memo: dict) -> "_HubWeights":
         return self
 
 
 class VtdenseEncoder(nn.Module, EncoderMixin):
     """A vtdense backbone behind SMP's encoder interface.
 
+    In SMP's terms (``_is_torch_*``, read by SMP's encoder tests): not TorchScript-able
+    (``torch.jit.script`` raises one ``RuntimeError`` saying so: the backbones use Python-level
+    caches, keyword-only arguments and dict outputs that TorchScript cannot compile); exportable
+    (``torch.export.export(strict=True)`` gives the eager result, measured for Swin V1, V2 and
+    MViTv2); compilable in SMP's sense (``torch.compile(fullgraph=True, dynamic=True)``) for MViTv2
+    only, set per instance: for a one-block-per-stage Swin that compile did not finish within
+    400 s on a CPU (its size-dependent mask and index caches are traced symbolically).
+
     Args:
         backbone_name: a name from :func:`vtdense.list_backbones` (without the ``vtdense-`` prefix).
         depth: SMP encoder depth (1-5); depth ``d`` returns the input, the stride-2 placeholder and
             the first ``d - 1`` backbone stages.
         output_stride: must be 32 (window / pooling transformers cannot be dilated).
-        weights: optional local checkpoint (path or state dict) loaded with ``vtdense.load_pretrained``.
+        weights: optional checkpoint (local path, Hugging Face Hub id or state dict) loaded with
+            ``vtdense.load_pretrained``.
         **backbone_kwargs: overrides for :func:`vtdense.create_backbone`. Options set with
             :func:`encoder_options` apply first; these take precedence.
 
     Raises:
         ValueError: bad depth / output stride, or a backbone whose strides are not 4/8/16/32.
     """
+
+    _is_torch_scriptable = False
+    _is_torch_exportable = True
+    _is_torch_compilable = False
 
     def __init__(
         self,
@@ -156,10 +187,14 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
         self._weights = weights
         self._depth = depth
         self._output_stride = output_stride
+        self._trimmed = False
         if 2 <= depth < 5 and "out_indices" not in options and weights is None:
             # do not build stages SMP will not read (kept with weights, so checkpoints load strictly)
             options["out_indices"] = tuple(range(depth - 1))
+            self._trimmed = True
         self.backbone = self._build_backbone(options)
+        # measured (see the class docstring): SMP's fullgraph + dynamic compile works for MViTv2 only
+        self._is_torch_compilable = getattr(self.backbone, "family", None) == "mvitv2"
         self._in_channels = int(getattr(self.backbone, "in_chans", 3))
         self._out_channels = [self._in_channels, 0, *[int(c) for c in self.backbone.out_channels]][: depth + 1]
 
@@ -177,6 +212,29 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
 
             load_pretrained(backbone, self._weights)
         return backbone
+
+    def __prepare_scriptable__(self) -> "VtdenseEncoder":
+        """``torch.jit.script`` calls this first: refuse with one clear ``RuntimeError``, the error
+        SMP's encoder tests expect when ``_is_torch_scriptable`` is False."""
+        raise RuntimeError(
+            f"encoder '{ENCODER_PREFIX}{self.backbone_name}' is not TorchScript-able (_is_torch_scriptable=False); "
+            "use torch.export.export or torch.compile instead"
+        )
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        """Load the encoder's own state dict, or any backbone checkpoint ``vtdense.load_pretrained``
+        reads (SMP calls this with the Hub file of ``encoder_weights``); the load's report is
+        ``self.load_report``."""
+        own = set(self.state_dict())
+        if set(state_dict) <= own and any(k in own for k in state_dict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        from torch.nn.modules.module import _IncompatibleKeys
+
+        from vtdense import load_pretrained
+
+        # stages SMP does not read may not be built (encoder_depth < 5): their weights are dropped
+        self.load_report = load_pretrained(self.backbone, state_dict, strict=strict and not self._trimmed)
+        return _IncompatibleKeys(list(self.load_report.missing), list(self.load_report.unexpected))
 
     @property
     def size_divisibility(self) -> int:
@@ -232,7 +290,7 @@ def register_smp_encoders() -> list[str]:
         _SMP_ENCODERS[key] = {
             "encoder": VtdenseEncoder,
             "params": {"backbone_name": name},
-            "pretrained_settings": _LocalWeightsOnly(key),
+            "pretrained_settings": _HubWeights(key),
         }
     return names
 
@@ -280,7 +338,8 @@ def build_segmentor(
         backbone: a vtdense backbone name (``"swinv2_tiny"``; the ``vtdense-`` prefix is optional).
         num_classes: output classes.
         backbone_kwargs: overrides for :func:`vtdense.create_backbone` (``window_size``, ``drop_path_rate``, ...).
-        backbone_weights: local backbone checkpoint (path or state dict) for ``vtdense.load_pretrained``.
+        backbone_weights: backbone checkpoint for ``vtdense.load_pretrained``: a local file of any
+            supported format, a Hugging Face Hub id or a state dict.
         in_channels: image channels.
         encoder_depth: SMP encoder depth (UPerNet and FPN need 3..5; 5 uses all four stages).
         **arch_kwargs: passed to the SMP model (``decoder_channels``, ...).

@@ -1,0 +1,124 @@
+"""Weights by name: Hub ids resolved through huggingface_hub from a local cache, offline.
+
+Every entry point that takes weights is exercised with the same fake repo: ``create_backbone
+(pretrained=)``, ``load_pretrained``, ``build_detector(backbone_weights=)``, ``build_segmentor
+(backbone_weights=)``, SMP's ``encoder_weights`` and the tasks' ``backbone_weights``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import segmentation_models_pytorch as smp
+import timm
+import torch
+
+import vtdense
+from vtdense import CheckpointError
+from vtdense.checkpoints.hub import is_hub_id, window_from_hub_config
+from vtdense.models.detection import build_detector
+from vtdense.models.segmentation import build_segmentor, encoder_options
+
+from hub_cache import hub_cache  # noqa: F401  (fixture)
+from test_swin import randomize_
+
+TINY = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=7)
+REPO = "timm/swin_tiny_patch4_window7_224.ms_in1k"
+
+
+@pytest.fixture
+def timm_repo(hub_cache):  # noqa: F811
+    """A timm-style repo (classification state dict with head, safetensors + config.json)."""
+    from timm.models.swin_transformer import SwinTransformer
+
+    ref = randomize_(SwinTransformer(img_size=224, num_classes=5, **TINY), seed=7).eval()
+    sd = ref.state_dict()
+    config = {"architecture": "swin_tiny_patch4_window7_224", "num_classes": 5, "pretrained_cfg": {"input_size": [3, 224, 224]}}
+    hub_cache(REPO, {"model.safetensors": sd, "config.json": config})
+    return sd
+
+
+def _assert_backbone_has(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
+    own = model.state_dict()
+    checked = 0
+    for k, v in sd.items():
+        if k in own:
+            assert torch.equal(own[k], v), k
+            checked += 1
+    assert checked > 50
+
+
+def test_create_backbone_and_load_pretrained_by_hub_id(timm_repo) -> None:
+    model = vtdense.create_backbone("swin_tiny", pretrained=REPO, **TINY)
+    _assert_backbone_has(model, timm_repo)
+    report = model.load_report
+    assert report.container == "safetensors" and report.format == "timm" and report.source == REPO
+    assert {k for k, _ in report.dropped} == {"head.fc.weight", "head.fc.bias", "norm.weight", "norm.bias"}
+    assert report.source_window == (7, 7)  # from config.json's architecture
+    # the same through load_pretrained, with timm's hf-hub: prefix
+    again = vtdense.create_backbone("swin_tiny", **TINY)
+    missing, unexpected = vtdense.load_pretrained(again, "hf-hub:" + REPO)
+    assert unexpected == [] and all(k.startswith("out_norms.") for k in missing)
+    _assert_backbone_has(again, timm_repo)
+
+
+def test_bin_fallback_revision_and_explicit_file(hub_cache) -> None:  # noqa: F811
+    src = randomize_(vtdense.create_backbone("swin_tiny", **TINY), seed=1)
+    hub_cache("me/bin_only", {"pytorch_model.bin": src.state_dict()})
+    _assert_backbone_has(vtdense.create_backbone("swin_tiny", pretrained="me/bin_only", **TINY), src.state_dict())
+    other = randomize_(vtdense.create_backbone("swin_tiny", **TINY), seed=2)
+    hub_cache("me/bin_only", {"weights/v2.pth": {"model": other.state_dict()}}, revision="v2")
+    got = vtdense.create_backbone("swin_tiny", pretrained="hf-hub:me/bin_only@v2/weights/v2.pth", **TINY)
+    _assert_backbone_has(got, other.state_dict())
+
+
+def test_missing_from_offline_cache_is_one_clear_error(hub_cache, tmp_path: Path) -> None:  # noqa: F811
+    with pytest.raises(CheckpointError, match=r"timm/not_cached.*model.safetensors, pytorch_model.bin.*HF_HUB_OFFLINE=1"):
+        vtdense.create_backbone("swin_tiny", pretrained="timm/not_cached", **TINY)
+    with pytest.raises(CheckpointError, match="checkpoint file not found: weights/nope.pth"):
+        vtdense.create_backbone("swin_tiny", pretrained="weights/nope.pth", **TINY)
+    with pytest.raises(ValueError, match="no default weights"):
+        vtdense.create_backbone("swin_tiny", pretrained=True)
+    # a local file is used as is, even where its name could be a repo id
+    local = tmp_path / "org" / "repo"
+    local.parent.mkdir()
+    src = vtdense.create_backbone("swin_tiny", **TINY)
+    torch.save(src.state_dict(), local)
+    import os
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        _assert_backbone_has(vtdense.create_backbone("swin_tiny", pretrained="org/repo", **TINY), src.state_dict())
+    finally:
+        os.chdir(cwd)
+    assert is_hub_id("timm/x.y") and not is_hub_id("./x/y") and not is_hub_id("a/b/c") and not is_hub_id("a/b.pth")
+    assert window_from_hub_config({"architecture": "swinv2_base_window12to24_192to384"}) == 24
+
+
+def test_detector_segmentor_and_smp_encoder_weights_by_hub_id(timm_repo) -> None:
+    det = build_detector("swin_tiny", "retinanet", 2, fpn_channels=32, backbone_kwargs=TINY, backbone_weights=REPO)
+    _assert_backbone_has(det.backbone.body, timm_repo)
+    assert det.backbone.body.load_report.format == "timm"
+    seg = build_segmentor("upernet", "swin_tiny", 3, backbone_kwargs=TINY, backbone_weights=REPO, decoder_channels=16)
+    _assert_backbone_has(seg.encoder.backbone, timm_repo)
+    with encoder_options(**TINY):  # SMP downloads model.safetensors itself and calls encoder.load_state_dict
+        model = smp.UPerNet(encoder_name="vtdense-swin_tiny", encoder_weights=REPO, classes=3, decoder_channels=16)
+    _assert_backbone_has(model.encoder.backbone, timm_repo)
+    assert model.encoder.load_report.format == "timm"
+    with pytest.raises(ValueError, match="only model.safetensors"):
+        with encoder_options(**TINY):
+            smp.UPerNet(encoder_name="vtdense-swin_tiny", encoder_weights="hf-hub:timm/x/other.pth")
+    # the encoder's own state dict still loads natively
+    model.encoder.load_state_dict(model.encoder.state_dict())
+
+
+def test_task_backbone_weights_by_hub_id(timm_repo) -> None:
+    from vtdense.tasks.detection import DetectionTask
+
+    task = DetectionTask(
+        backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, backbone_weights=REPO, head="retinanet", fpn_channels=32
+    )
+    task.setup("fit")
+    _assert_backbone_has(task.model.backbone.body, timm_repo)

@@ -1,0 +1,164 @@
+"""Reading and writing checkpoint files safely.
+
+The container is recognised from the file's first bytes, never from its name:
+
+- safetensors (``save_backbone``'s format; timm / Hugging Face ``model.safetensors``): tensors
+  plus string metadata.
+- torch files (zip or legacy pickle): read with ``torch.load(weights_only=True)``.
+- detectron2 model-zoo pickles (``.pkl``: a dict with numpy arrays under ``model`` and an
+  ``__author__`` key): read with a restricted unpickler that admits numpy arrays and dtypes and
+  plain containers only. Anything else in the pickle (a ``__reduce__`` to ``os.system``, a class
+  of any library) is refused before it is built.
+
+Checkpoints from elsewhere are untrusted; nothing here can run code stored in a file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["CheckpointError", "CheckpointFile", "read_checkpoint", "write_safetensors", "SAFETENSORS_CONFIG_KEY"]
+
+#: safetensors metadata key holding a vtdense backbone config (JSON).
+SAFETENSORS_CONFIG_KEY = "vtdense_backbone"
+
+# (module, name) pairs a detectron2 pickle needs: numpy's array reconstruction, dtypes, scalars,
+# the bytes helper protocol-2 pickles use, and OrderedDict. Nothing that can call arbitrary code.
+_PKL_ALLOWED = {
+    ("numpy.core.multiarray", "_reconstruct"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"),
+    ("numpy._core.multiarray", "scalar"),
+    ("numpy", "ndarray"),
+    ("numpy", "dtype"),
+    ("_codecs", "encode"),
+    ("collections", "OrderedDict"),
+}
+_PKL_DTYPE_CLASS = ("numpy.dtypes", "numpy._core.dtypes", "numpy.core.dtypes")  # numpy 2 dtype classes (Float32DType, ...)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not fit the model (the message names the file)."""
+
+
+CheckpointReadError = CheckpointError
+
+
+@dataclass
+class CheckpointFile:
+    """What :func:`read_checkpoint` found.
+
+    Attributes:
+        obj: the loaded object (a state dict, or a dict wrapping one).
+        container: ``"safetensors"``, ``"torch"`` or ``"detectron2-pkl"``.
+        metadata: safetensors string metadata (empty for other containers).
+    """
+
+    obj: Any
+    container: str
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def vtdense_config(self) -> dict[str, Any] | None:
+        """The backbone config ``save_backbone`` stored, if any."""
+        if isinstance(self.obj, dict) and isinstance(self.obj.get(SAFETENSORS_CONFIG_KEY), dict):
+            return dict(self.obj[SAFETENSORS_CONFIG_KEY])
+        raw = self.metadata.get(SAFETENSORS_CONFIG_KEY)
+        return json.loads(raw) if raw else None
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BufferedIOBase, source: str) -> None:
+        super().__init__(file, encoding="latin1")  # detectron2's Python 2 era pickles
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _PKL_ALLOWED or (module in _PKL_DTYPE_CLASS and name.endswith("DType")):
+            return super().find_class(module, name)
+        raise CheckpointReadError(
+            f"{self.source}: refused to unpickle {module}.{name}: a detectron2 checkpoint holds only numpy arrays "
+            "and plain containers (this file may carry code; it was not run)"
+        )
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise CheckpointReadError(f"{self.source}: persistent ids are not allowed in a detectron2 pickle")
+
+
+def _numpy_to_torch(obj: Any) -> Any:
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, dict):
+        return {k: _numpy_to_torch(v) for k, v in obj.items()}
+    return obj
+
+
+def _read_detectron2_pickle(path: Path) -> Any:
+    source = str(path)
+    with path.open("rb") as f:
+        obj = _RestrictedUnpickler(f, source).load()
+    if not isinstance(obj, dict):
+        raise CheckpointReadError(f"{source}: a detectron2 pickle is a dict, got {type(obj).__name__}")
+    model = obj.get("model", obj)
+    if not isinstance(model, dict):
+        raise CheckpointReadError(f"{source}: 'model' is not a dict of arrays")
+    return {"model": OrderedDict((k, v) for k, v in _numpy_to_torch(model).items() if isinstance(v, Tensor))}
+
+
+def read_checkpoint(path: str | Path) -> CheckpointFile:
+    """Read a checkpoint file of any container vtdense supports (see the module docstring).
+
+    Raises:
+        CheckpointReadError: unreadable file, unknown container, or a pickle with anything but
+            arrays and containers in it; the message names the file.
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        head = f.read(16)
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+                metadata = dict(f.metadata() or {})
+        except Exception as e:  # noqa: BLE001 - re-raised with the file name
+            raise CheckpointReadError(f"cannot read safetensors file {path}: {e}") from e
+        return CheckpointFile(tensors, "safetensors", metadata)
+    if head[:2] == b"PK":  # torch's zip container
+        return CheckpointFile(_torch_load(path), "torch")
+    if head[:1] == b"\x80":  # a pickle: torch's legacy format, or a detectron2 model-zoo .pkl
+        try:
+            return CheckpointFile(_torch_load(path), "torch")
+        except CheckpointReadError:
+            if path.suffix != ".pkl":
+                raise
+        return CheckpointFile(_read_detectron2_pickle(path), "detectron2-pkl")
+    raise CheckpointReadError(f"cannot read checkpoint {path}: not a safetensors, torch or detectron2 .pkl file")
+
+
+def _torch_load(path: Path) -> Any:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file name
+        raise CheckpointReadError(f"cannot read checkpoint {path}: {e}") from e
+
+
+def write_safetensors(path: Path, state_dict: dict[str, Tensor], metadata: dict[str, str]) -> None:
+    """Write ``state_dict`` (contiguous CPU copies) with string ``metadata``, atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(path)  # never leave a half-written file where a good one was
