@@ -135,12 +135,21 @@ class BaseTask(LightningModule):
                 strategy.checkpoint_io = AtomicCheckpointIO()
 
     def on_fit_start(self) -> None:
-        """Start the run directory's skip report (``skipped.jsonl``).
+        """Start the run directory's skip report (``skipped.jsonl``); when resuming, let the fit loop
+        rebuild the train loader after the restore so it continues mid-epoch.
 
         Rank 0 writes what the datasets dropped while parsing; then every rank points its
         datasets' ``skip_file`` there, so images skipped at load time in any DataLoader worker of
         any rank are appended to the same report.
         """
+        fit_loop = self.trainer.fit_loop
+        if self.trainer.ckpt_path is not None and getattr(fit_loop, "_combined_loader", None) is not None:
+            # Resuming. ``configure_optimizers`` asked for ``trainer.estimated_stepping_batches``, which
+            # made Lightning build the train loader before the checkpoint's loop state is restored; it
+            # would then never hand the loader its saved position, and a mid-epoch resume would
+            # restart the epoch. Dropping that early loader makes the fit loop build it again, after the
+            # restore, and load the saved position into it.
+            fit_loop._combined_loader = None
         dm = getattr(self.trainer, "datamodule", None)
         datasets = [getattr(dm, n, None) for n in ("train_dataset", "val_dataset")]
         datasets = [d for d in datasets if d is not None and hasattr(d, "skipped")]
