@@ -71,6 +71,10 @@ COCO_IOU_THRESHOLDS: list[float] = np.linspace(0.5, 0.95, 10).tolist()
 COCO_REC_THRESHOLDS: list[float] = np.linspace(0.0, 1.0, 101).tolist()
 
 _MASK_CHUNK = 16
+#: Box / mask colour of predicted class ``label`` (indexed by ``label % 10``) in drawings of ``predict``.
+_DRAW_COLOURS: tuple[str, ...] = (
+    "#ff3838", "#ffd21f", "#2cd4ff", "#4dff4d", "#ff8c1a", "#c77dff", "#ff5cbe", "#00e6b8", "#ffffff", "#a6ff00",
+)
 _VIS_MIN_SIDE = 384  # drawn predictions are upscaled to at least this long side
 #: target keys the detector needs on the accelerator; the rest stays on the CPU for the metric.
 _DEVICE_TARGET_KEYS: frozenset[str] = frozenset({"boxes", "labels", "masks"})  # detections whose masks are upsampled together
@@ -697,15 +701,16 @@ class DetectionTask(BaseTask):
         if up > 1:
             pic = F.interpolate(pic[None].float(), scale_factor=up, mode="nearest")[0].to(torch.uint8)
         names = [self._label_name(lab) for lab in pred["labels"].tolist()]
+        colours = [_DRAW_COLOURS[int(lab) % len(_DRAW_COLOURS)] for lab in pred["labels"].tolist()]
         scores = pred["scores"].tolist()
         if "masks" in pred and len(scores):
             masks = pred["masks"]
             if tuple(masks.shape[-2:]) != tuple(pic.shape[-2:]):
                 masks = F.interpolate(masks[:, None].float(), size=tuple(pic.shape[-2:]), mode="nearest")[:, 0].bool()
-            pic = draw_segmentation_masks(pic, masks, alpha=0.45)
+            pic = draw_segmentation_masks(pic, masks, alpha=0.45, colors=colours)
         if len(scores):
             text = [f"{n} {sc:.2f}" for n, sc in zip(names, scores)]
-            pic = draw_bounding_boxes(pic, pred["boxes"] * (s * up), labels=text, colors="yellow", width=2)
+            pic = draw_bounding_boxes(pic, pred["boxes"] * (s * up), labels=text, colors=colours, width=2)
         vis = f"vis/{target['name']}.png"
         write_file(out_dir / vis, png_bytes(pic))
         xywh = box_convert(pred["boxes"], "xyxy", "xywh").tolist()
