@@ -57,7 +57,8 @@ def _recipe(name: str) -> ModuleType:
 
 def _fit_one_step(task: Any, dm: Any, ckpt: Path) -> Path:
     trainer = Trainer(accelerator="cpu", devices=1, max_steps=1, limit_val_batches=0, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      default_root_dir=str(ckpt.parent.parent))
     trainer.fit(task, datamodule=dm)
     trainer.save_checkpoint(ckpt)
     return ckpt
