@@ -12,6 +12,8 @@ metrics, writes them to ``metrics.json`` in the run directory and returns them.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import math
 import os
@@ -27,7 +29,16 @@ from lightning.pytorch.cli import LightningCLI
 
 from vtdense.tasks.base import resolve_run_dir
 
-__all__ = ["VtdenseCLI", "choose_config", "find_last_checkpoint", "format_metrics_table", "resume_path", "run_dir", "run_recipe"]
+__all__ = [
+    "VtdenseCLI",
+    "choose_config",
+    "find_last_checkpoint",
+    "format_metrics_table",
+    "resume_path",
+    "run_dir",
+    "run_predict",
+    "run_recipe",
+]
 
 
 class VtdenseCLI(LightningCLI):
@@ -179,7 +190,12 @@ def run_recipe(
 
     Raises:
         FileNotFoundError: ``default_config`` does not exist.
+
+    A first argument ``predict`` runs :func:`run_predict` instead (``... predict --help``).
     """
+    argv_predict = sys.argv[1:] if args is None else list(args)
+    if argv_predict and argv_predict[0] == PREDICT_WORD:  # the predict subcommand (see run_predict)
+        return run_predict(task_cls, argv_predict[1:], prog=f"{Path(sys.argv[0]).name} {PREDICT_WORD}")
     parser_kwargs: dict[str, Any] = {}
     if demo_config is not None and default_config is not None:
         argv = sys.argv[1:] if args is None else list(args)
@@ -233,3 +249,119 @@ def run_recipe(
         print(format_metrics_table(metrics, title=f"final metrics ({ckpt_path or 'last weights'})"))
         print(f"run directory: {out_dir}")
     return metrics
+
+
+# ================================================================================================
+# ``predict`` subcommand (issue 11): ``python recipes/x.py predict --ckpt_path ... --data.predict_path ...``
+# ================================================================================================
+PREDICT_WORD = "predict"
+#: ``--device`` choice -> Lightning accelerator.
+DEVICES: dict[str, str] = {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}
+
+
+def _yaml_value(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def predict_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The options of the ``predict`` subcommand."""
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Predict with a trained checkpoint on an image, a folder of images or a glob. The model and "
+        "its preprocessing are rebuilt from the checkpoint; outputs go to a new predict_<time> folder in "
+        "the checkpoint's run directory unless --output is given.",
+    )
+    p.add_argument("--ckpt_path", required=True, help="checkpoint of a run of this recipe (e.g. RUN/checkpoints/best-....ckpt)")
+    p.add_argument("--data.predict_path", dest="predict_path", required=True,
+                   help="an image, a folder of images, or a glob such as 'photos/*.jpg' (quote it)")
+    p.add_argument("--output", default=None, help="output folder (default: RUN/predict_<YYYYmmdd-HHMMSS>)")
+    p.add_argument("--score_thresh", type=float, default=None,
+                   help="detection: keep detections scoring above this (default 0.5)")
+    p.add_argument("--device", choices=sorted(DEVICES), default="auto", help="where the model runs (default auto)")
+    p.add_argument("--devices", type=int, default=1, help="number of devices (several: DDP, each writes its share)")
+    p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (bf16-mixed precision)")
+    p.add_argument("--data.batch_size", dest="batch_size", type=int, default=1, help="images per batch (default 1)")
+    p.add_argument("--data.num_workers", dest="num_workers", type=int, default=2, help="decoding workers (default 2)")
+    p.add_argument("--data.test_scale", dest="test_scale", type=int, default=None,
+                   help="detection: short side (default: the checkpoint's datamodule test_scale)")
+    p.add_argument("--data.max_size", dest="max_size", type=int, default=None,
+                   help="detection: long-side cap (default: the checkpoint's datamodule max_size)")
+    p.add_argument("--data.eval_scale", dest="eval_scale", type=_yaml_value, default=None,
+                   help="segmentation: (long, short) resize, e.g. '[2048, 512]' (default: the checkpoint's)")
+    p.add_argument("--progress_bar", type=_yaml_value, default=True, help="show the progress bar (default true)")
+    return p
+
+
+def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | None = None) -> dict[str, Any]:
+    """The ``predict`` subcommand: checkpoint + images -> drawn PNGs / label maps and a JSON index.
+
+    Everything a user can get wrong (a missing checkpoint or path, a non-image file, an empty
+    folder, an option of the other task) raises before the model runs. Under several devices each
+    rank writes its own images' files and rank 0 the JSON index (see
+    :class:`vtdense.tasks.predict.PredictionWriter`).
+
+    Returns:
+        ``{"output_dir": str, "images": int, "files": [index files]}``.
+    """
+    import inspect
+
+    from torch.utils.data import DataLoader
+
+    from vtdense.data.predict import PredictImages, collate_predict, list_images
+    from vtdense.tasks.predict import PredictionWriter, default_output_dir
+
+    ns = predict_parser(prog).parse_args(args)
+    if not Path(ns.ckpt_path).expanduser().is_file():
+        raise FileNotFoundError(f"--ckpt_path: checkpoint not found: {ns.ckpt_path}")
+    if ns.batch_size < 1 or ns.num_workers < 0 or ns.devices < 1:
+        raise ValueError("--data.batch_size and --devices must be >= 1, --data.num_workers >= 0")
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is available (use --device cpu or auto)")
+    files = list_images(ns.predict_path)
+    task: Any = task_cls.from_checkpoint(ns.ckpt_path, map_location="cpu")
+
+    given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale") if getattr(ns, k) is not None}
+    accepted = inspect.signature(task.predict_transform).parameters
+    wrong = [f"--data.{k}" for k in given if k not in accepted]
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)} does not apply to a {type(task).__name__} checkpoint")
+    has_threshold = hasattr(task, "score_threshold")
+    if ns.score_thresh is not None and not has_threshold:
+        raise ValueError(f"--score_thresh does not apply to a {type(task).__name__} checkpoint")
+    score_thresh = (0.5 if ns.score_thresh is None else ns.score_thresh) if has_threshold else None
+
+    dataset = PredictImages(files, task.predict_transform(**given))
+    loader = DataLoader(dataset, batch_size=ns.batch_size, num_workers=ns.num_workers, collate_fn=collate_predict)
+    out_dir = Path(ns.output).expanduser() if ns.output else default_output_dir(ns.ckpt_path)
+    info: dict[str, Any] = {"checkpoint": str(Path(ns.ckpt_path).expanduser().resolve()), "predict_path": ns.predict_path}
+    if score_thresh is not None:
+        info["score_thresh"] = score_thresh
+    info["preprocessing"] = {k: v for k, v in (task.datamodule_hparams or {}).items()
+                             if k in ("test_scale", "max_size", "scale", "eval_scale")} | given
+    writer = PredictionWriter(out_dir, info)
+    trainer = Trainer(
+        accelerator=DEVICES[ns.device],
+        devices=ns.devices,
+        precision="bf16-mixed" if ns.bf16 else "32-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        enable_progress_bar=bool(ns.progress_bar),
+        callbacks=[writer],
+        default_root_dir=str(out_dir),
+    )
+    context = task.score_threshold(score_thresh) if has_threshold else contextlib.nullcontext()
+    with context:
+        trainer.predict(task, dataloaders=loader, return_predictions=False)
+    out_dir = writer.output_dir
+    if trainer.is_global_zero:
+        subdirs = sorted({p.parent.relative_to(out_dir).as_posix() for p in out_dir.rglob("*.png")})
+        print(f"predicted {writer.count} images with {ns.ckpt_path}")
+        print(f"output directory: {out_dir}")
+        for sub in subdirs:
+            print(f"  {sub}/  ({sum(1 for _ in (out_dir / sub).glob('**/*.png'))} PNG)")
+        for f in writer.files:
+            print(f"  {f.relative_to(out_dir)}")
+    return {"output_dir": str(out_dir), "images": writer.count, "files": [str(f) for f in writer.files]}

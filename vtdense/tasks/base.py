@@ -321,3 +321,58 @@ class BaseTask(LightningModule):
             from torchvision.transforms.functional import to_pil_image
 
             self.logger.log_image(key=tag, images=[to_pil_image(image)], step=self.global_step)
+
+    # ============================================================================================
+    # Prediction from a checkpoint (issue 11). The task-specific parts are the hooks below; the
+    # loading and the loop live in vtdense.tasks.predict.
+    # ============================================================================================
+    #: The datamodule hyperparameters saved in the checkpoint (set by :meth:`from_checkpoint`).
+    datamodule_hparams: dict[str, Any] | None = None
+    #: The checkpoint the task was loaded from (set by :meth:`from_checkpoint`).
+    checkpoint_path: Path | None = None
+
+    @classmethod
+    def from_checkpoint(cls, path: str | os.PathLike[str], map_location: str | torch.device | None = "cpu", **overrides: Any) -> Any:
+        """Load a trained task from a Lightning checkpoint for prediction (eval mode).
+
+        The model is rebuilt from the hyperparameters saved in the checkpoint, which is read with
+        ``torch.load(weights_only=True)``; class names and the datamodule's preprocessing settings
+        come from it too. See :func:`vtdense.tasks.predict.load_task_checkpoint`.
+
+        Example:
+            >>> task = DetectionTask.from_checkpoint("runs/x/checkpoints/best.ckpt")  # doctest: +SKIP
+            >>> task.predict_images("photos/", score_thresh=0.5)  # doctest: +SKIP
+        """
+        from vtdense.tasks.predict import load_task_checkpoint
+
+        return load_task_checkpoint(cls, path, map_location=map_location, **overrides)
+
+    def predict_images(
+        self, images: Any, *, batch_size: int = 1, bf16: bool = False, num_workers: int = 0
+    ) -> list[dict[str, Any]]:
+        """Predict on image files, folders, globs or ``[3, H, W]`` tensors (uint8, or float 0..1).
+
+        Returns one dict per image (``predict_step``'s, original coordinates, with class names and
+        ``path``), on the CPU. Runs on the task's device under ``torch.inference_mode``; ``bf16``
+        adds bfloat16 autocast. Bad input (a missing path, a non-image file, an empty folder)
+        raises before the model runs.
+        """
+        from vtdense.tasks.predict import predict_images
+
+        return predict_images(self, images, batch_size=batch_size, bf16=bf16, num_workers=num_workers)
+
+    def predict_transform(self, **overrides: Any) -> Any:
+        """Preprocessing of one ``[3, H, W]`` image for prediction (the validation resize)."""
+        raise NotImplementedError(f"{type(self).__name__} does not support predict")
+
+    def name_prediction(self, pred: dict[str, Any]) -> dict[str, Any]:
+        """``pred`` with class names added."""
+        return pred
+
+    def write_prediction_files(self, out_dir: Path, target: dict[str, Any], pred: dict[str, Any], image: Tensor) -> dict[str, Any]:
+        """Write one image's prediction files (any rank, no collective); return its JSON-ready record with ``index``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support predict")
+
+    def write_prediction_index(self, out_dir: Path, records: list[dict[str, Any]], info: dict[str, Any]) -> list[Path]:
+        """Write the JSON index of all images (rank 0, no collective); return the files written."""
+        raise NotImplementedError(f"{type(self).__name__} does not support predict")

@@ -20,11 +20,13 @@ in original coordinates.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -69,6 +71,10 @@ COCO_IOU_THRESHOLDS: list[float] = np.linspace(0.5, 0.95, 10).tolist()
 COCO_REC_THRESHOLDS: list[float] = np.linspace(0.0, 1.0, 101).tolist()
 
 _MASK_CHUNK = 16
+#: Box / mask colour of predicted class ``label`` (indexed by ``label % 10``) in drawings of ``predict``.
+_DRAW_COLOURS: tuple[str, ...] = (
+    "#ff3838", "#ffd21f", "#2cd4ff", "#4dff4d", "#ff8c1a", "#c77dff", "#ff5cbe", "#00e6b8", "#ffffff", "#a6ff00",
+)
 _VIS_MIN_SIDE = 384  # drawn predictions are upscaled to at least this long side
 #: target keys the detector needs on the accelerator; the rest stays on the CPU for the metric.
 _DEVICE_TARGET_KEYS: frozenset[str] = frozenset({"boxes", "labels", "masks"})  # detections whose masks are upsampled together
@@ -629,3 +635,124 @@ class DetectionTask(BaseTask):
             images, targets = list(batch), [None] * len(batch)
         dets = self(images)
         return [self._to_original(img, det, tgt) for img, det, tgt in zip(images, dets, targets)]
+
+    # ============================================================================================
+    # Prediction on new images (issue 11): preprocessing from the checkpoint, a score threshold,
+    # class names, and the files of the ``predict`` recipe subcommand.
+    # ============================================================================================
+    def predict_transform(self, test_scale: int | None = None, max_size: int | None = None) -> Any:
+        """Validation's resize: ``test_scale`` / ``max_size`` from the checkpoint's datamodule unless given."""
+        from vtdense.data.predict import detection_predict_transform
+        from vtdense.data.transforms import DEFAULT_MAX_SIZE, DEFAULT_TEST_SCALE
+
+        dm = self.datamodule_hparams or {}
+        scale = test_scale if test_scale is not None else dm.get("test_scale", DEFAULT_TEST_SCALE)
+        size = max_size if max_size is not None else dm.get("max_size", DEFAULT_MAX_SIZE)
+        return detection_predict_transform(int(scale), None if size is None else int(size))
+
+    @contextlib.contextmanager
+    def score_threshold(self, score_thresh: float | None) -> Iterator[None]:
+        """Within the block the detector keeps only detections scoring above ``score_thresh``
+        (``None``: the model's own ``score_thresh``). Set on the head, so masks are computed only
+        for the detections kept."""
+        holder = getattr(self._detector, "roi_heads", self._detector)
+        old = holder.score_thresh
+        if score_thresh is not None:
+            if not 0.0 <= float(score_thresh) <= 1.0:
+                raise ValueError(f"score_thresh must be in [0, 1], got {score_thresh}")
+            holder.score_thresh = float(score_thresh)
+        try:
+            yield
+        finally:
+            holder.score_thresh = old
+
+    def predict_images(  # type: ignore[override]
+        self,
+        images: Any,
+        score_thresh: float | None = None,
+        *,
+        batch_size: int = 1,
+        bf16: bool = False,
+        num_workers: int = 0,
+    ) -> list[dict[str, Any]]:
+        """Detect objects in image files, folders, globs or ``[3, H, W]`` tensors.
+
+        Args:
+            images: A path (image, folder or glob), a tensor (uint8 0..255 or float 0..1), or a list of them.
+            score_thresh: Keep detections scoring above this (``None``: the checkpoint's ``score_thresh``).
+            batch_size: Images per forward pass (sizes may differ).
+            bf16: Run the model under bfloat16 autocast (boxes and scores come back float32).
+            num_workers: DataLoader workers decoding the files.
+
+        Returns:
+            Per image: ``boxes`` float32 ``[N, 4]`` (XYXY, original pixels), ``scores`` ``[N]``,
+            ``labels`` int64 ``[N]`` (1..K), ``category_ids`` ``[N]`` (the dataset's ids),
+            ``masks`` bool ``[N, H0, W0]`` (Mask R-CNN), ``label_names`` (``N`` class names) and
+            ``path``; all on the CPU.
+        """
+        with self.score_threshold(score_thresh):
+            return super().predict_images(images, batch_size=batch_size, bf16=bf16, num_workers=num_workers)
+
+    def _label_name(self, label: int) -> str:
+        return self.category_names.get(int(label), str(int(label)))
+
+    def name_prediction(self, pred: dict[str, Any]) -> dict[str, Any]:
+        """``pred`` with ``label_names``, one class name per detection."""
+        return pred | {"label_names": [self._label_name(lab) for lab in pred["labels"].tolist()]}
+
+    def write_prediction_files(
+        self, out_dir: Path, target: dict[str, Any], pred: dict[str, Any], image: Tensor
+    ) -> dict[str, Any]:
+        """Draw boxes, class names, scores and masks over the original image to ``vis/<name>.png``;
+        return the image's record with its detections in COCO results form (XYWH, RLE masks)."""
+        from vtdense.tasks.predict import png_bytes, read_display_image, write_file
+
+        pic, s = read_display_image(target, image)
+        up = max(1, math.ceil(_VIS_MIN_SIDE / max(pic.shape[-2:])))  # small images: legible labels
+        if up > 1:
+            pic = F.interpolate(pic[None].float(), scale_factor=up, mode="nearest")[0].to(torch.uint8)
+        names = [self._label_name(lab) for lab in pred["labels"].tolist()]
+        colours = [_DRAW_COLOURS[int(lab) % len(_DRAW_COLOURS)] for lab in pred["labels"].tolist()]
+        scores = pred["scores"].tolist()
+        if "masks" in pred and len(scores):
+            masks = pred["masks"]
+            if tuple(masks.shape[-2:]) != tuple(pic.shape[-2:]):
+                masks = F.interpolate(masks[:, None].float(), size=tuple(pic.shape[-2:]), mode="nearest")[:, 0].bool()
+            pic = draw_segmentation_masks(pic, masks, alpha=0.45, colors=colours)
+        if len(scores):
+            text = [f"{n} {sc:.2f}" for n, sc in zip(names, scores)]
+            pic = draw_bounding_boxes(pic, pred["boxes"] * (s * up), labels=text, colors=colours, width=2)
+        vis = f"vis/{target['name']}.png"
+        write_file(out_dir / vis, png_bytes(pic))
+        xywh = box_convert(pred["boxes"], "xyxy", "xywh").tolist()
+        rles = _rle_encode(pred["masks"]) if "masks" in pred else [None] * len(scores)
+        dets = []
+        for box, cid, name, score, rle in zip(xywh, pred["category_ids"].tolist(), names, scores, rles):
+            det = {"category_id": int(cid), "category_name": name, "bbox": [float(v) for v in box], "score": float(score)}
+            if rle is not None:
+                det["segmentation"] = rle
+            dets.append(det)
+        h0, w0 = (int(v) for v in target["orig_size"])
+        return {"index": int(target["index"]), "file_name": target["file_name"], "path": target["path"],
+                "height": h0, "width": w0, "vis": vis, "detections": dets}
+
+    def write_prediction_index(self, out_dir: Path, records: list[dict[str, Any]], info: dict[str, Any]) -> list[Path]:
+        """``results.json`` (COCO results: one record per detection, with ``file_name``; loads with
+        ``COCO.loadRes``) and ``images.json`` (``images`` with ids, file names, sizes and drawings,
+        ``categories``, the options used)."""
+        from vtdense.tasks.predict import write_file
+
+        results, images = [], []
+        for rec in records:
+            image_id = rec["index"] + 1
+            for det in rec["detections"]:
+                results.append({"image_id": image_id, "file_name": rec["file_name"], **det})
+            images.append({"id": image_id, "file_name": rec["file_name"], "path": rec["path"], "height": rec["height"],
+                           "width": rec["width"], "vis": rec["vis"], "num_detections": len(rec["detections"])})
+        n = int(self.hparams["num_classes"])
+        categories = [{"id": self.label_to_category_id.get(lab, lab), "name": self._label_name(lab)} for lab in range(1, n + 1)]
+        index = {**info, "results": "results.json", "categories": categories, "images": images}
+        return [
+            write_file(out_dir / "results.json", json.dumps(results).encode()),
+            write_file(out_dir / "images.json", (json.dumps(index, indent=1) + "\n").encode()),
+        ]

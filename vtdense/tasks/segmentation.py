@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
@@ -27,7 +29,7 @@ from vtdense.models.segmentation import ARCHITECTURES, FCNHead, build_segmentor
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import apply_layer_decay, layer_ids, param_groups, warmup_schedule
 
-__all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table"]
+__all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table", "resize_logits"]
 
 _BACKBONE_PREFIX = "model.encoder.backbone."
 
@@ -385,3 +387,186 @@ class SegmentationTask(BaseTask):
             return rgb
 
         return np.concatenate([img, colour(mask), colour(pred)], axis=1)
+
+    # ============================================================================================
+    # Prediction on new images (issue 11): class names and palette in the checkpoint, label maps
+    # at the original size, and the files of the ``predict`` recipe subcommand.
+    # ============================================================================================
+    #: ``predict_step`` also returns per-pixel class probabilities (see :meth:`predict_images`).
+    predict_probs: bool = False
+
+    @property
+    def palette(self) -> np.ndarray:
+        """RGB colour per class, ``(num_classes, 3)`` uint8 (the validation pictures' palette)."""
+        saved = getattr(self, "_palette", None)
+        return saved if saved is not None else color_palette(int(self.hparams.num_classes))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Store the class names and the palette, so a checkpoint names its classes without the dataset."""
+        super().on_save_checkpoint(checkpoint)
+        if self.hparams.num_classes is not None:
+            checkpoint["class_names"] = [str(n) for n in self.class_names]
+            checkpoint["palette"] = self.palette.tolist()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Restore the class names and the palette saved by :meth:`on_save_checkpoint`."""
+        super().on_load_checkpoint(checkpoint)
+        n = self.hparams.num_classes
+        names = checkpoint.get("class_names")
+        if names is not None and n is not None and len(names) == int(n):
+            self._class_names = [str(v) for v in names]
+        palette = checkpoint.get("palette")
+        if palette is not None and n is not None and len(palette) == int(n):
+            self._palette = np.asarray(palette, dtype=np.uint8).reshape(-1, 3)
+
+    def predict_transform(self, eval_scale: Sequence[int] | None = None) -> Any:
+        """Validation's resize: ``eval_scale`` (else ``scale``) from the checkpoint's datamodule unless given."""
+        from vtdense.data.predict import segmentation_predict_transform
+
+        dm = self.datamodule_hparams or {}
+        scale = eval_scale if eval_scale is not None else (dm.get("eval_scale") or dm.get("scale") or (2048, 512))
+        return segmentation_predict_transform(tuple(int(v) for v in scale))
+
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Tensor]]:
+        """Per image: ``label_map`` int64 ``[H0, W0]`` at the original size (and ``probs`` float32
+        ``[C, H0, W0]`` when :attr:`predict_probs`), on the CPU.
+
+        ``batch`` is ``(images, targets)`` (lists; targets give ``orig_size``; sizes may differ),
+        a list of ``[3, h, w]`` images in 0..1, or an evaluation batch of
+        :class:`~vtdense.data.ade20k.ADE20KDataModule` (predictions at the label maps' size).
+        Logits are resized to the original size in row strips, never all at once.
+        """
+        if isinstance(batch, Mapping):
+            x = batch["image"]
+            in_sizes = [tuple(int(v) for v in s) for s in batch["image_size"]]
+            out_sizes = [tuple(int(v) for v in s) for s in batch["mask_size"]]
+        else:
+            if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], (tuple, list)) and (
+                len(batch[1]) == 0 or isinstance(batch[1][0], Mapping)
+            ):
+                images, targets = list(batch[0]), list(batch[1])
+            else:
+                images, targets = list(batch), [None] * len(batch)
+            in_sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
+            out_sizes = [
+                tuple(int(v) for v in t["orig_size"]) if t is not None and "orig_size" in t else s
+                for t, s in zip(targets, in_sizes)
+            ]
+            hh, ww = max(s[0] for s in in_sizes), max(s[1] for s in in_sizes)
+            x = torch.stack([F.pad(im, (0, ww - im.shape[-1], 0, hh - im.shape[-2])) for im in images])
+        logits = self(x)
+        out = []
+        for i, ((h, w), size) in enumerate(zip(in_sizes, out_sizes)):
+            label, probs = resize_logits(logits[i, :, :h, :w], size, with_probs=self.predict_probs)
+            pred = {"label_map": label}
+            if probs is not None:
+                pred["probs"] = probs
+            out.append(pred)
+        return out
+
+    def predict_images(  # type: ignore[override]
+        self,
+        images: Any,
+        return_probs: bool = False,
+        *,
+        batch_size: int = 1,
+        bf16: bool = False,
+        num_workers: int = 0,
+    ) -> list[dict[str, Any]]:
+        """Segment image files, folders, globs or ``[3, H, W]`` tensors.
+
+        Args:
+            images: A path (image, folder or glob), a tensor (uint8 0..255 or float 0..1), or a list of them.
+            return_probs: Also return ``probs``, float32 ``[C, H0, W0]`` softmax probabilities.
+            batch_size: Images per forward pass (sizes may differ; padded like validation).
+            bf16: Run the model under bfloat16 autocast (outputs stay int64 / float32).
+            num_workers: DataLoader workers decoding the files.
+
+        Returns:
+            Per image: ``label_map`` int64 ``[H0, W0]`` (class indices, original pixels),
+            ``class_names`` (index -> name), ``path``; all on the CPU.
+        """
+        old, self.predict_probs = self.predict_probs, bool(return_probs)
+        try:
+            return super().predict_images(images, batch_size=batch_size, bf16=bf16, num_workers=num_workers)
+        finally:
+            self.predict_probs = old
+
+    def name_prediction(self, pred: dict[str, Any]) -> dict[str, Any]:
+        """``pred`` with ``class_names`` (index -> name)."""
+        return pred | {"class_names": list(self.class_names)}
+
+    def write_prediction_files(
+        self, out_dir: Path, target: dict[str, Any], pred: dict[str, Any], image: Tensor
+    ) -> dict[str, Any]:
+        """``labels/<name>.png`` (class indices as a palette PNG; 16-bit grey above 256 classes) and
+        ``overlay/<name>.png`` (the palette blended over the original image); return the record."""
+        from vtdense.tasks.predict import png_bytes, read_display_image, write_file
+
+        label = pred["label_map"].cpu()
+        palette = self.palette
+        if len(palette) <= 256:
+            lab_png = Image.fromarray(label.numpy().astype(np.uint8))  # mode L; putpalette makes it P
+            lab_png.putpalette(palette.reshape(-1).tolist())
+        else:
+            lab_png = Image.fromarray(label.numpy().astype(np.uint16))
+        name = target["name"]
+        write_file(out_dir / f"labels/{name}.png", png_bytes(lab_png))
+        pic, _ = read_display_image(target, image)
+        small = label
+        if tuple(small.shape) != tuple(pic.shape[-2:]):
+            small = F.interpolate(label[None, None].float(), size=tuple(pic.shape[-2:]), mode="nearest")[0, 0].long()
+        colour = torch.from_numpy(palette)[small.clamp(0, len(palette) - 1)].permute(2, 0, 1)
+        overlay = (0.5 * pic.float() + 0.5 * colour.float()).round().to(torch.uint8)
+        write_file(out_dir / f"overlay/{name}.png", png_bytes(overlay))
+        counts = torch.bincount(label.reshape(-1), minlength=len(self.class_names)).tolist()
+        total = max(1, label.numel())
+        h0, w0 = (int(v) for v in target["orig_size"])
+        return {
+            "index": int(target["index"]), "file_name": target["file_name"], "path": target["path"],
+            "height": h0, "width": w0, "label_map": f"labels/{name}.png", "overlay": f"overlay/{name}.png",
+            "classes": {self.class_names[c]: round(k / total, 6) for c, k in enumerate(counts) if k},
+        }
+
+    def write_prediction_index(self, out_dir: Path, records: list[dict[str, Any]], info: dict[str, Any]) -> list[Path]:
+        """``predictions.json``: class names, palette, and per image its files and class pixel fractions."""
+        from vtdense.tasks.predict import write_file
+
+        images = [{"id": r["index"] + 1, **{k: v for k, v in r.items() if k != "index"}} for r in records]
+        index = {**info, "class_names": list(self.class_names), "palette": self.palette.tolist(), "images": images}
+        return [write_file(out_dir / "predictions.json", (json.dumps(index, indent=1) + "\n").encode())]
+
+
+def resize_logits(
+    logits: Tensor, size: tuple[int, int], *, with_probs: bool = False, max_elements: int = 1 << 24
+) -> tuple[Tensor, Tensor | None]:
+    """Bilinearly resize ``[C, h, w]`` logits to ``size`` and take the per-pixel class, in row strips.
+
+    Equal to ``F.interpolate(logits[None], size, mode="bilinear", align_corners=False)`` followed
+    by ``argmax`` (and ``softmax``), but at most ``max_elements`` resized values exist at once, so a
+    12-megapixel photo with 150 classes does not need 7 GB. Each strip samples the logits with
+    ``grid_sample`` at the same source coordinates ``interpolate`` uses.
+
+    Returns:
+        ``(label_map int64 [H, W], probs float32 [C, H, W] or None)``, on the CPU.
+    """
+    c, h, w = logits.shape
+    hh, ww = int(size[0]), int(size[1])
+    logits = logits.float()
+    if (h, w) == (hh, ww):
+        probs = logits.softmax(0).cpu() if with_probs else None
+        return logits.argmax(0).cpu(), probs
+    rows = max(1, int(max_elements) // max(1, c * ww))
+    dev = logits.device
+    gx = (2 * torch.arange(ww, device=dev, dtype=torch.float32) + 1) / ww - 1
+    label = torch.empty(hh, ww, dtype=torch.long)
+    probs_out = torch.empty(c, hh, ww, dtype=torch.float32) if with_probs else None
+    for y0 in range(0, hh, rows):
+        y1 = min(hh, y0 + rows)
+        gy = (2 * torch.arange(y0, y1, device=dev, dtype=torch.float32) + 1) / hh - 1
+        grid = torch.stack((gx.expand(y1 - y0, ww), gy[:, None].expand(y1 - y0, ww)), dim=-1)[None]
+        strip = F.grid_sample(logits[None], grid, mode="bilinear", padding_mode="border", align_corners=False)[0]
+        label[y0:y1] = strip.argmax(0).cpu()
+        if probs_out is not None:
+            probs_out[:, y0:y1] = strip.softmax(0).cpu()
+    return label, probs_out

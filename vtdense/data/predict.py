@@ -1,0 +1,257 @@
+"""Images to predict on: list a file, a folder or a glob, decode, and preprocess like validation.
+
+:func:`list_images` turns what a user types (``photo.jpg``, ``photos/``, ``"photos/*.jpg"``,
+``"shots/**/*.png"``) into a sorted list of image files and checks it before any model runs:
+
+- a path that does not exist, a glob that matches nothing, or a folder without images raises one
+  :class:`FileNotFoundError` naming the path;
+- a file that is not an image PIL can identify raises one
+  :class:`~vtdense.data.errors.BadSampleError` naming the file (only the header is read);
+- in a folder or a glob, files whose suffix is not an image suffix (``notes.txt``) are left out
+  with one counted warning.
+
+:class:`PredictImages` decodes each file with :func:`vtdense.data.images.decode_image` (EXIF
+orientation applied, 16-bit and palette modes handled), applies the task's evaluation resize and
+returns ``(image, target)`` with ``orig_size`` (the displayed full-resolution ``(H0, W0)``, the
+frame predictions are reported in), ``file_name`` (unique, relative to the folder or glob root)
+and ``index``. It also takes tensors. :func:`collate_predict` batches images of different sizes
+as lists, the detection data contract, so the same batches feed every task's ``predict_step``.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, Union
+
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import Dataset
+from torchvision import tv_tensors
+from torchvision.transforms.v2 import functional as TF
+
+from vtdense.data.ade20k import SegEvalTransform
+from vtdense.data.errors import BadSampleError
+from vtdense.data.images import decode_image
+from vtdense.data.transforms import DEFAULT_MAX_SIZE, DEFAULT_TEST_SCALE, detection_eval_transforms
+
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "ImageFile",
+    "ImageSource",
+    "PredictImages",
+    "collate_predict",
+    "detection_predict_transform",
+    "list_images",
+    "segmentation_predict_transform",
+]
+
+logger = logging.getLogger(__name__)
+
+#: File suffixes taken from a folder or a glob (case-insensitive).
+IMAGE_SUFFIXES: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm")
+#: One image: a file path, or a ``[3, H, W]`` (or ``[H, W]``) tensor, uint8 0..255 or float 0..1.
+ImageSource = Union[str, os.PathLike, Tensor]
+#: Decoding reduces images whose long side exceeds this (never below the model's input size).
+_DECODE_MAX_SIDE = 4096
+_GLOB_CHARS = frozenset("*?[")
+
+
+def _check_header(path: Path) -> None:
+    """Raise :class:`BadSampleError` naming ``path`` unless PIL identifies it as an image (header only)."""
+    try:
+        with Image.open(path) as img:
+            img.size  # noqa: B018 - identified from the header; pixels are decoded later
+    except Exception as e:
+        raise BadSampleError(
+            f"{path} is not an image PIL can read ({type(e).__name__}: {e})", file=path
+        ) from None
+
+
+class ImageFile(NamedTuple):
+    """One listed image: ``path`` on disk, ``file_name`` relative to the folder or glob root
+    (``a/b.jpg``), ``name`` the unique output name without suffix (``a/b``, or ``a/b_jpg`` when
+    ``a/b.png`` is listed too)."""
+
+    path: Path
+    file_name: str
+    name: str
+
+
+def _image_files(files: Sequence[Path], base: Path | None) -> list[ImageFile]:
+    rel = []
+    for f in files:
+        try:
+            r = f.relative_to(base) if base is not None else Path(f.name)
+        except ValueError:
+            r = Path(f.name)
+        rel.append(r)
+    stems = [r.with_suffix("").as_posix() for r in rel]
+    counts: dict[str, int] = {}
+    for s in stems:
+        counts[s] = counts.get(s, 0) + 1
+    return [
+        ImageFile(f, r.as_posix(), s if counts[s] == 1 else f"{s}_{r.suffix.lstrip('.').lower()}")
+        for f, r, s in zip(files, rel, stems)
+    ]
+
+
+def list_images(path: str | os.PathLike[str]) -> list[ImageFile]:
+    """The image files of ``path`` (a file, a folder or a glob), sorted, with unique output names.
+
+    A folder is listed without descending into sub-folders; a glob with ``**`` is recursive.
+
+    Args:
+        path: An image file, a folder of images, or a glob pattern.
+
+    Returns:
+        One :class:`ImageFile` per image; names are relative to the folder (or the glob's fixed
+        leading folder) and output names are unique within the list.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, the glob matches no image, or the folder holds none.
+        BadSampleError: A file is not an image (PIL cannot identify its header); names the file.
+    """
+    text = os.fspath(path)
+    p = Path(text).expanduser()
+    if p.is_file():
+        _check_header(p)
+        return [ImageFile(p, p.name, p.stem)]
+    if p.is_dir():
+        candidates = sorted(f for f in p.iterdir() if f.is_file())
+        base: Path | None = p
+        where = f"folder {p}"
+    elif any(c in text for c in _GLOB_CHARS):
+        candidates = sorted(Path(f) for f in glob.glob(os.path.expanduser(text), recursive=True) if os.path.isfile(f))
+        fixed = []
+        for part in Path(os.path.expanduser(text)).parts:
+            if any(c in part for c in _GLOB_CHARS):
+                break
+            fixed.append(part)
+        base = Path(*fixed) if fixed else Path(".")
+        where = f"glob {text!r}"
+    else:
+        raise FileNotFoundError(f"predict path not found: {p} (give an image, a folder of images or a glob)")
+    files = [f for f in candidates if f.suffix.lower() in IMAGE_SUFFIXES and not f.name.startswith(".")]
+    others = [f for f in candidates if f not in set(files)]
+    if not files:
+        what = f" ({len(others)} other files, e.g. {others[0].name})" if others else ""
+        raise FileNotFoundError(
+            f"no images in {where}{what}; looked for files ending in {', '.join(IMAGE_SUFFIXES)}"
+        )
+    if others:
+        shown = ", ".join(f.name for f in others[:3]) + (", ..." if len(others) > 3 else "")
+        logger.warning("%s: left out %d files that are not images by their suffix (%s)", where, len(others), shown)
+    for f in files:
+        _check_header(f)
+    return _image_files(files, base)
+
+
+# ------------------------------------------------------------------------------- transforms
+def _as_image_tensor(image: Tensor) -> Tensor:
+    """``[3, H, W]`` uint8 or float 0..1 from ``[3, H, W]``, ``[1, H, W]`` or ``[H, W]``."""
+    if image.ndim == 2:
+        image = image[None]
+    if image.ndim != 3 or image.shape[0] not in (1, 3):
+        raise ValueError(f"an image tensor must be [3, H, W], [1, H, W] or [H, W], got shape {tuple(image.shape)}")
+    if image.shape[0] == 1:
+        image = image.expand(3, -1, -1)
+    if image.dtype != torch.uint8 and not image.is_floating_point():
+        raise ValueError(f"an image tensor must be uint8 (0..255) or float (0..1), got {image.dtype}")
+    return image
+
+
+def detection_predict_transform(
+    test_scale: int = DEFAULT_TEST_SCALE, max_size: int | None = DEFAULT_MAX_SIZE
+) -> Callable[[Tensor], Tensor]:
+    """The detection validation resize (short side ``test_scale``, long side at most ``max_size``).
+
+    Returns:
+        A function from a ``[3, H, W]`` uint8 (0..255) or float (0..1) tensor to the float32
+        ``[3, h, w]`` model input in 0..1 (exactly :func:`detection_eval_transforms`).
+    """
+    transform = detection_eval_transforms(int(test_scale), None if max_size is None else int(max_size))
+
+    def apply(image: Tensor) -> Tensor:
+        out = transform(tv_tensors.Image(_as_image_tensor(image)))
+        return TF.to_dtype(out.as_subclass(Tensor), torch.float32, scale=True)
+
+    return apply
+
+
+def segmentation_predict_transform(scale: Sequence[int] | None = (2048, 512)) -> Callable[[Tensor], Tensor]:
+    """The segmentation validation resize (keep-ratio fit into ``scale`` = (long, short); ``None``: none).
+
+    Returns:
+        A function from a ``[3, H, W]`` uint8 (0..255) or float (0..1) tensor to the float32
+        ``[3, h, w]`` model input in 0..1 (exactly :class:`~vtdense.data.ade20k.SegEvalTransform`).
+    """
+    transform = SegEvalTransform(None if scale is None else tuple(int(s) for s in scale))
+
+    def apply(image: Tensor) -> Tensor:
+        image = _as_image_tensor(image)
+        if image.is_floating_point():  # the transform divides by 255
+            image = image.float() * 255
+        return transform(image, None)["image"].float()
+
+    return apply
+
+
+# ---------------------------------------------------------------------------------- dataset
+class PredictImages(Dataset):
+    """Files (or tensors) preprocessed for prediction, original sizes and names kept.
+
+    Args:
+        sources: :class:`ImageFile` items from :func:`list_images`, plain paths, or tensors
+            ``[3, H, W]`` uint8 / float 0..1, mixed freely.
+        transform: The task's preprocessing, a function ``[3, H, W] -> float [3, h, w]``
+            (:func:`detection_predict_transform`, :func:`segmentation_predict_transform`).
+        max_decode_side: Files with a longer side are decoded reduced (long side still at least
+            this); ``orig_size`` stays the full size.
+
+    Items are ``(image, target)``: ``image`` float32 ``[3, h, w]`` in 0..1, ``target`` a dict with
+    ``orig_size`` ``(H0, W0)`` (the displayed full size), ``file_name`` (relative input name,
+    ``None`` for a tensor), ``name`` (unique output name, no suffix), ``path`` (the file, ``None``
+    for a tensor) and ``index`` (position in ``sources``).
+    """
+
+    def __init__(
+        self,
+        sources: Sequence[ImageSource | ImageFile],
+        transform: Callable[[Tensor], Tensor],
+        max_decode_side: int = _DECODE_MAX_SIDE,
+    ) -> None:
+        self.items: list[tuple[Path | Tensor, str | None, str]] = []
+        for i, s in enumerate(sources):
+            if isinstance(s, ImageFile):
+                self.items.append((s.path, s.file_name, s.name))
+            elif isinstance(s, Tensor):
+                self.items.append((_as_image_tensor(s), None, f"image_{i:05d}"))
+            else:
+                self.items.append((Path(s), Path(s).name, Path(s).stem))
+        self.transform = transform
+        self.max_decode_side = int(max_decode_side)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Any]]:
+        src, file_name, name = self.items[index]
+        if isinstance(src, Tensor):
+            pixels, orig = src, (int(src.shape[-2]), int(src.shape[-1]))
+            path = None
+        else:
+            decoded = decode_image(src, max_side=self.max_decode_side)
+            pixels, orig, path = TF.pil_to_tensor(decoded.image), decoded.full_size, str(src)
+        image = self.transform(pixels)
+        target = {"orig_size": orig, "file_name": file_name, "name": name, "path": path, "index": index}
+        return image, target
+
+
+def collate_predict(batch: Sequence[tuple[Tensor, dict[str, Any]]]) -> tuple[list[Tensor], list[dict[str, Any]]]:
+    """``(images, targets)`` as lists: images of different sizes are not stacked."""
+    return [b[0] for b in batch], [b[1] for b in batch]
