@@ -52,6 +52,7 @@ import importlib.util
 import inspect
 import json
 import pathlib
+import re
 import sys
 import types
 import warnings
@@ -103,9 +104,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(_SAFE_CHECKPOINT_GLOBALS):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle / zip / weights-only errors all mean: not loadable safely
-        raise ValueError(
-            f"cannot load {str(path)!r} safely with torch.load(weights_only=True): {str(err).splitlines()[-1][:300]}"
-        ) from err
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [type(err).__name__]
+        reason = next((ln for ln in lines if "Unsupported global" in ln), lines[-1])
+        raise ValueError(f"cannot load {str(path)!r} safely with torch.load(weights_only=True): {reason[:300]}") from err
     if not isinstance(obj, dict):
         raise ValueError(f"{str(path)!r} holds a {type(obj).__name__}, not a checkpoint dict")
     return obj
@@ -118,10 +119,10 @@ def _task_class(ckpt: Mapping[str, Any], path: Path) -> type[nn.Module]:
     from vtdense.tasks.detection import DetectionTask
     from vtdense.tasks.segmentation import SegmentationTask
 
-    class_path = str(hp.get("_class_path", ""))
-    if class_path.endswith("DetectionTask") or (not class_path and "head" in hp):
+    class_path = str(hp.get("_class_path", ""))  # set when LightningCLI built the task
+    if class_path.endswith("DetectionTask") or "head" in hp:
         return DetectionTask
-    if class_path.endswith("SegmentationTask") or (not class_path and "arch" in hp):
+    if class_path.endswith("SegmentationTask") or "arch" in hp:
         return SegmentationTask
     raise ValueError(
         f"{str(path)!r}: cannot tell the task from its hyper_parameters ({sorted(hp)[:8]}...); "
@@ -142,7 +143,10 @@ def model_from_checkpoint(path: str | Path) -> tuple[nn.Module, dict[str, Any]]:
         normalisation) and ``hyper_parameters``.
     """
     path = Path(path)
-    ckpt = load_checkpoint(path)
+    return _rebuild(load_checkpoint(path), path)
+
+
+def _rebuild(ckpt: Mapping[str, Any], path: Path) -> tuple[nn.Module, dict[str, Any]]:
     cls = _task_class(ckpt, path)
     hp = dict(ckpt["hyper_parameters"])
     if hp.get("num_classes") is None:
@@ -303,7 +307,7 @@ def _resolve(source: Any, backbone_kwargs: Mapping[str, Any] | None) -> tuple[nn
             from vtdense.checkpoints.convert import load_backbone
 
             return load_backbone(path, **dict(backbone_kwargs or {})).eval(), {**info, "kind": "backbone"}
-        return model_from_checkpoint(path)
+        return _rebuild(ckpt, path)
     if not isinstance(source, nn.Module):
         raise TypeError(f"export takes a model, a checkpoint path or a backbone name, got {type(source).__name__}")
     task_model = getattr(source, "model", None)
@@ -480,6 +484,10 @@ def export(
         warnings.filterwarnings("ignore", category=torch.jit.TracerWarning)
         warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export.*")
         warnings.filterwarnings("ignore", message="The feature will be removed.*")
+        # Known, harmless exporter / torchvision notes (the gathers' indices are never negative).
+        for note in ("Constant folding - Only steps=1", "To copy construct from a tensor", "`torch.jit.script` is deprecated",
+                     "Exporting aten::index operator of advanced indexing"):
+            warnings.filterwarnings("ignore", message=re.escape(note) + ".*")
         torch.onnx.export(
             wrapper,
             (example,),
