@@ -107,6 +107,8 @@ class TrainingCurves(Callback):
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Start the epoch's sums; values already present are stale until logged again."""
         self._sums, self._counts = {}, {}
+        if not self._fitting(trainer):
+            return
         self._seen = dict(trainer.callback_metrics)
         # Lightning may hand stale values back as new tensors: a key counts only once its value changed.
         self._stale = {k: _float(v) for k, v in self._seen.items() if k.startswith("train/") and _scalar(v) is not None}
