@@ -10,6 +10,7 @@ import vtdense.models.segmentation  # noqa: E402,F401
 
 __all__ = [
     "Backbone",
+    "export",
     "CheckpointError",
     "LoadReport",
     "__version__",
@@ -20,3 +21,12 @@ __all__ = [
     "register_backbone",
     "save_backbone",
 ]
+
+
+def __getattr__(name: str):  # PEP 562: keep ``import vtdense`` light
+    if name == "export":
+        import importlib
+
+        # the module is callable: ``vtdense.export(model, "model.onnx")`` calls vtdense.export.export
+        return importlib.import_module("vtdense.export")
+    raise AttributeError(f"module 'vtdense' has no attribute {name!r}")
