@@ -75,6 +75,9 @@ def test_recipe_end_to_end_writes_outputs(recipe: ModuleType, coco_root: Path, t
     metrics = recipe.main(args)
     out = capsys.readouterr().out
     assert "final metrics" in out and "val/bbox_mAP" in out and "val/segm_mAP50" in out
+    # the table names the run directory and what is in it; training curves are there
+    for name in ("run directory:", "metrics.json", "bbox.json", "curves.png", "curves.csv", "checkpoints/", "predictions/"):
+        assert name in out, name
 
     run = tmp_path / "lightning_logs" / "version_0"
     saved = json.loads((run / "metrics.json").read_text())

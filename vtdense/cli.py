@@ -247,8 +247,23 @@ def run_recipe(
         tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
         tmp.replace(path)
         print(format_metrics_table(metrics, title=f"final metrics ({ckpt_path or 'last weights'})"))
-        print(f"run directory: {out_dir}")
+        print(describe_run_dir(out_dir))
     return metrics
+
+
+def describe_run_dir(out_dir: Path) -> str:
+    """``run directory: PATH`` and what is in it (files, and folders with their file counts)."""
+    lines = [f"run directory: {out_dir}"]
+    for entry in sorted(out_dir.iterdir(), key=lambda e: (e.is_dir(), e.name)):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            files = sorted(f.name for f in entry.iterdir() if f.is_file())
+            shown = ", ".join(files[:3]) + (", ..." if len(files) > 3 else "")
+            lines.append(f"  {entry.name}/  ({len(files)} files: {shown})")
+        else:
+            lines.append(f"  {entry.name}")
+    return "\n".join(lines)
 
 
 # ================================================================================================

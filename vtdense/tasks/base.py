@@ -164,10 +164,13 @@ class BaseTask(LightningModule):
     def configure_callbacks(self) -> list[Callback]:
         """Checkpoints: the best by :attr:`monitor`, ``last.ckpt`` at each validation, every
         ``checkpoint_every_n_steps`` optimiser steps (if set) and on SIGTERM. None if the trainer
-        has checkpointing off."""
+        has checkpointing off. Always :class:`~vtdense.callbacks.TrainingCurves` (``curves.png`` / ``curves.csv``)."""
+        from vtdense.callbacks import TrainingCurves
+
         if self._trainer is not None and not self.trainer.checkpoint_callbacks:
-            return []
+            return [TrainingCurves()]
         callbacks: list[Callback] = [
+            TrainingCurves(),
             ModelCheckpoint(
                 monitor=self.monitor,
                 mode=self.monitor_mode,
