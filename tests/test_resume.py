@@ -116,7 +116,7 @@ def coco6(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def ade6(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate_synthetic_segmentation(tmp_path_factory.mktemp("resume") / "ade", num_train=6, num_val=2,
+    return generate_synthetic_segmentation(tmp_path_factory.mktemp("resume") / "ade", num_train=12, num_val=2,
                                            size_range=(48, 64), seed=8)
 
 
@@ -134,8 +134,8 @@ def test_segmentation_sigkill_and_sigterm_resume_to_the_same_weights(ade6: Path,
     resumed, step = _interrupt_and_resume(_segmentation_args, ade6, tmp_path, signal.SIGKILL)
     assert step == 2
     _assert_same(reference, resumed)
-    # SIGTERM: the process writes last.ckpt at the step it stopped on, then exits
+    # SIGTERM: the process writes last.ckpt at the end of the batch it was in (after step 2: 6 steps an epoch)
     resumed, step = _interrupt_and_resume(_segmentation_args, ade6, tmp_path, signal.SIGTERM)
     assert "SIGTERM: saved" in (tmp_path / f"first_{int(signal.SIGTERM)}.log").read_text()
-    assert step >= 2
+    assert 2 < step < 6
     _assert_same(reference, resumed)

@@ -177,11 +177,14 @@ class BaseTask(LightningModule):
                 save_last=True,
                 filename=self.checkpoint_filename,
                 auto_insert_metric_name=False,
+                enable_version_counter=False,  # one last.ckpt, whichever callback writes it
             )
         ]
         every = self.hparams.get("checkpoint_every_n_steps")
         if every:
-            callbacks.append(ModelCheckpoint(save_top_k=0, save_last=True, every_n_train_steps=int(every)))
+            callbacks.append(
+                ModelCheckpoint(save_top_k=0, save_last=True, every_n_train_steps=int(every), enable_version_counter=False)
+            )
         callbacks.append(CheckpointOnSigterm())
         return callbacks
 

@@ -72,18 +72,36 @@ def last_checkpoint_path(trainer: Trainer) -> Path | None:
 
 
 class CheckpointOnSigterm(Callback):
-    """Write ``last.ckpt`` before a run stopped by SIGTERM exits, so ``--ckpt_path last`` resumes it."""
+    """Write ``last.ckpt`` before a run stopped by SIGTERM exits, so ``--ckpt_path last`` resumes it.
 
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        """On Lightning's ``SIGTERMException`` (raised on every rank at the same step), save on every rank."""
-        if not isinstance(exception, SIGTERMException) or trainer.state.fn != "fit":
-            return
+    The save happens at the end of the training batch during which the signal arrived: the same
+    point as a step checkpoint, so the resume is exact. Whether any rank got the signal is decided
+    collectively at every batch end, so under DDP all ranks save together. Lightning then stops the
+    run. A signal that arrives outside a training batch (during validation) is saved when Lightning
+    stops, at the end of the epoch's training.
+    """
+
+    def __init__(self) -> None:
+        self._saved_step = -1
+
+    def _save(self, trainer: Trainer) -> None:
         path = last_checkpoint_path(trainer)
-        if path is None:
+        if path is None or self._saved_step == trainer.global_step:
             return
         trainer.save_checkpoint(path)
+        self._saved_step = trainer.global_step
         if trainer.is_global_zero:
             print(f"SIGTERM: saved {path} at step {trainer.global_step}; resume with --ckpt_path last", flush=True)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        """Save if any rank has received SIGTERM (a collective: every rank, every batch)."""
+        if trainer.strategy.reduce_boolean_decision(bool(trainer.received_sigterm), all=False):
+            self._save(trainer)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """On Lightning's ``SIGTERMException`` (raised on every rank at the same point), save if not done yet."""
+        if isinstance(exception, SIGTERMException) and trainer.state.fn == "fit":
+            self._save(trainer)
 
 
 def rng_state() -> dict[str, Any]:
