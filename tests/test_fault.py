@@ -125,3 +125,38 @@ def test_bad_fault_options_are_named() -> None:
         _task(nonfinite_loss="ignore")
     with pytest.raises(ValueError, match="checkpoint_every_n_steps"):
         _task(checkpoint_every_n_steps=0)
+
+
+def test_checkpoint_for_another_model_is_one_clear_error(coco: Path, tmp_path: Path) -> None:
+    task = _task(nonfinite_loss="skip")
+    trainer = _fit(task, coco, tmp_path / "a", steps=1)
+    ckpt_path = tmp_path / "a.ckpt"
+    trainer.save_checkpoint(ckpt_path)
+    ckpt = torch.load(ckpt_path, weights_only=True)
+    # resuming with another class count: one error naming the file and the option, before any step
+    other = _task(nonfinite_loss="skip")
+    other.hparams["num_classes"] = 5
+    with pytest.raises(ValueError, match=r"a\.ckpt does not fit this model: it was trained with num_classes=2 \(this run: 5\)"):
+        other.check_checkpoint_fits(ckpt, str(ckpt_path))
+    wide = _NaNAt(backbone="swin_tiny", backbone_kwargs={"embed_dim": 32, "depths": [1, 1, 1, 1], "num_heads": [1, 1, 2, 2],
+                  "window_size": 4}, head="faster_rcnn", num_classes=2, fpn_channels=16, slim_heads=True, box_head_width=32)
+    with pytest.raises(ValueError, match=r"backbone_kwargs\.embed_dim=16 \(this run: 32\)"):
+        wide.check_checkpoint_fits(ckpt, "a.ckpt")
+    mvit = _NaNAt(backbone="mvitv2_tiny", backbone_kwargs={"embed_dim": 16, "depths": [1, 1, 1, 1]}, head="faster_rcnn",
+                  num_classes=2, fpn_channels=16, slim_heads=True, box_head_width=32)
+    with pytest.raises(ValueError, match=r"backbone='swin_tiny' \(this run: 'mvitv2_tiny'\)"):
+        mvit.check_checkpoint_fits(ckpt, "a.ckpt")
+    # another task's checkpoint
+    from vtdense.tasks.segmentation import SegmentationTask
+
+    seg = SegmentationTask(backbone="swin_tiny", backbone_kwargs={"embed_dim": 16, "depths": [1, 1, 1, 1],
+                           "num_heads": [1, 1, 2, 2], "window_size": 4}, num_classes=2, arch_kwargs={"decoder_channels": 16},
+                           aux_weight=0.0)
+    with pytest.raises(ValueError, match="is a _NaNAt checkpoint, not a SegmentationTask one"):
+        seg.check_checkpoint_fits(ckpt, "a.ckpt")
+    # and through Trainer.fit(ckpt_path=...): the error comes before training
+    fresh_trainer = L.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                              enable_model_summary=False, default_root_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError, match=r"a\.ckpt does not fit this model: it was trained with backbone_kwargs\.embed_dim"):
+        fresh_trainer.fit(wide, datamodule=COCODataModule(root=str(coco), batch_size=2, num_workers=0, train_scales=[64],
+                                                            max_size=96, test_scale=64), ckpt_path=str(ckpt_path))

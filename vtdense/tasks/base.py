@@ -198,11 +198,44 @@ class BaseTask(LightningModule):
                 f"{', ...' if len(bad) > 5 else ''}); the previous checkpoint is kept"
             )
         checkpoint["vtdense_rng"] = self.gather(rng_state())
+        checkpoint["vtdense_task"] = type(self).__name__
+
+    #: Hyperparameters that fix the shape of the weights: a checkpoint must agree on them to load.
+    ARCHITECTURE_KEYS: tuple[str, ...] = ("backbone", "head", "arch", "num_classes")
+    #: ``backbone_kwargs`` entries that fix the shape of the weights.
+    BACKBONE_SHAPE_KEYS: tuple[str, ...] = ("embed_dim", "depths", "num_heads", "in_chans", "mlp_ratio", "expand_attn")
+
+    def check_checkpoint_fits(self, checkpoint: dict[str, Any], source: str | None = None) -> None:
+        """Raise one ``ValueError`` naming the file when a checkpoint was made for another task,
+        backbone, head or class count than this one (instead of a long key-mismatch traceback)."""
+        where = f"checkpoint {source}" if source else "the checkpoint"
+        task = checkpoint.get("vtdense_task")
+        if task is not None and task != type(self).__name__:
+            raise ValueError(f"{where} is a {task} checkpoint, not a {type(self).__name__} one")
+        saved = checkpoint.get("hyper_parameters") or {}
+        if task is None and saved and not any(k in saved for k in self.ARCHITECTURE_KEYS if k in self.hparams):
+            raise ValueError(f"{where} was not written by a {type(self).__name__} (its hyperparameters are {sorted(saved)[:8]})")
+        problems = []
+        for key in self.ARCHITECTURE_KEYS:
+            if key in saved and key in self.hparams and saved[key] is not None and self.hparams[key] is not None:
+                if saved[key] != self.hparams[key]:
+                    problems.append(f"{key}={saved[key]!r} (this run: {self.hparams[key]!r})")
+        mine, theirs = self.hparams.get("backbone_kwargs") or {}, saved.get("backbone_kwargs") or {}
+        for key in self.BACKBONE_SHAPE_KEYS:
+            if key in mine or key in theirs:
+                if mine.get(key) != theirs.get(key) and saved.get("backbone") == self.hparams.get("backbone"):
+                    problems.append(f"backbone_kwargs.{key}={theirs.get(key)!r} (this run: {mine.get(key)!r})")
+        if problems:
+            raise ValueError(
+                f"{where} does not fit this model: it was trained with {', '.join(problems)}; use the same options to "
+                "resume, or load only the backbone with model.backbone_weights"
+            )
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """When a fit resumes, restore this rank's generator states (same world size only)."""
-        states = checkpoint.get("vtdense_rng")
+        """Check that the checkpoint fits; when a fit resumes, restore this rank's generator states."""
         t = self._trainer
+        self.check_checkpoint_fits(checkpoint, getattr(t, "ckpt_path", None) if t is not None else None)
+        states = checkpoint.get("vtdense_rng")
         if not states or t is None or t.state.fn != "fit":
             return
         if len(states) == t.world_size:
