@@ -363,6 +363,7 @@ def test_bad_label_map_is_skipped_at_load_time(seg_root: Path, defect: str, capl
     with caplog.at_level(logging.WARNING, logger="vtdense.data.errors"):
         sample = ds[0]
     assert torch.equal(sample["mask"], ds[1]["mask"])  # the next sample took its place
+    assert sample["substitute"] is True and ds[1]["substitute"] is False  # so evaluation can leave it out
     [message] = [r.getMessage() for r in caplog.records]
     assert "1 so far" in message
     assert [r["file"] for r in ds.skipped] == [str(victim)]

@@ -46,3 +46,18 @@ def test_dynamic_compile_does_not_recompile_at_new_sizes() -> None:
                 assert got[k].shape == expected[k].shape, (size, k)
                 assert torch.allclose(got[k], expected[k], atol=1e-5), (size, k)
     assert _graphs() == after_two, f"recompiled: graphs/frames {after_two} -> {_graphs()}"
+
+
+def test_torch_export_leaves_no_traced_tensors_in_the_size_caches() -> None:
+    """Exporting at a size never seen in eager must not fill the mask/index caches with fake tensors."""
+    import vtdense
+
+    torch.manual_seed(0)
+    for name, kw in (("swin_tiny", {"window_size": 4}), ("mvitv2_tiny", {"window_size": 8})):
+        m = vtdense.create_backbone(name, embed_dim=16, depths=[1, 1, 1, 1], num_heads=1 if "mvit" in name else [1, 1, 1, 1],
+                                    **kw).eval()
+        x = torch.randn(1, 3, 72, 104)  # padded, shifted windows at a fresh size
+        torch.export.export(m, (x,), strict=False)
+        with torch.no_grad():
+            out = m(x)  # eager after export: the caches must hold real tensors
+        assert all(type(v) is torch.Tensor and torch.isfinite(v).all() for v in out.values())

@@ -156,3 +156,26 @@ def test_bad_options_are_clear_errors() -> None:
         _task(inference="tiles")
     with pytest.raises(ValueError, match="encoder_depth >= 4"):
         _task(encoder_depth=3, aux_weight=0.4)
+
+
+def test_unreadable_validation_image_is_not_counted_twice(tmp_path: Path) -> None:
+    """A bad validation label map is skipped and its stand-in (another image) is not counted again."""
+    from vtdense.data.ade20k import ADE20KDataModule
+    from vtdense.data.synthetic_seg import generate_synthetic_segmentation
+
+    def validate(root: Path) -> dict[str, float]:
+        torch.manual_seed(0)
+        task = _task(num_classes=8, aux_weight=0.0)
+        dm = ADE20KDataModule(root=str(root), num_classes=8, batch_size=2, val_batch_size=1, num_workers=0,
+                              scale=(64, 48), crop_size=(32, 32))
+        return _trainer(tmp_path / root.name).validate(task, datamodule=dm, verbose=False)[0]
+
+    bad = generate_synthetic_segmentation(tmp_path / "bad", num_train=2, num_val=4, size_range=(48, 64), seed=11)
+    good = generate_synthetic_segmentation(tmp_path / "good", num_train=2, num_val=4, size_range=(48, 64), seed=11)
+    victim = sorted((bad / "annotations" / "validation").glob("*.png"))[1]
+    victim.write_bytes(victim.read_bytes()[:40])  # truncated: skipped at load time, image 2 stands in
+    (good / "annotations" / "validation" / victim.name).unlink()
+    next((good / "images" / "validation").glob(victim.stem + ".*")).unlink()
+    with_bad, without = validate(bad), validate(good)
+    assert with_bad["val/mIoU"] == pytest.approx(without["val/mIoU"], abs=1e-7)
+    assert with_bad["val/aAcc"] == pytest.approx(without["val/aAcc"], abs=1e-7)

@@ -179,7 +179,10 @@ class SegmentationFolder(SkipOnBadSample, Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         """A transformed sample; a bad one is replaced by the next loadable index (see :meth:`load`)."""
-        return self._load_or_substitute(index, self._sample, len(self.images))
+        sample = self._load_or_substitute(index, self._sample, len(self.images))
+        # a substitute repeats another index's sample: evaluation must not count it twice
+        sample["substitute"] = sample["file"] != Path(self.images[index]).name
+        return sample
 
     def _sample(self, index: int) -> dict[str, Any]:
         image, mask = self.load(index)
@@ -320,7 +323,9 @@ def seg_collate(samples: list[dict[str, Any]], ignore_index: int = IGNORE_INDEX)
         "mask": masks,
         "image_size": torch.tensor([list(s["image_size"]) for s in samples], dtype=torch.long),
         "mask_size": torch.tensor([list(s["mask"].shape[-2:]) for s in samples], dtype=torch.long),
-    } | ({"files": [s["file"] for s in samples]} if all("file" in s for s in samples) else {})
+    } | ({"files": [s["file"] for s in samples]} if all("file" in s for s in samples) else {}) | (
+        {"substitute": [bool(s.get("substitute")) for s in samples]} if any("substitute" in s for s in samples) else {}
+    )
 
 
 def default_ade20k_root() -> Path:

@@ -50,7 +50,7 @@ def relative_position_index(
     """
     if window[0] > table_window[0] or window[1] > table_window[1]:
         raise ValueError(f"window {window} is larger than the position table's window {table_window}")
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # never cache traced tensors
         return _rel_index(tuple(window), tuple(table_window), torch.device(device))
     return _rel_index_cached(tuple(window), tuple(table_window), torch.device(device))
 
@@ -146,7 +146,8 @@ def rel_pos_lookup(
     if q_size > gq or k_size > gk:
         raise ValueError(f"positions ({q_size}, {k_size}) exceed the lookup grid ({gq}, {gk})")
     table = resize_rel_pos_table(rel_pos, 2 * max(gq, gk) - 1)
-    idx = _decomposed_index(int(gq), int(gk), table.device)
+    build = _decomposed_index.__wrapped__ if torch.compiler.is_exporting() else _decomposed_index  # no traced tensors cached
+    idx = build(int(gq), int(gk), table.device)
     if (q_size, k_size) != (gq, gk):
         idx = idx[:q_size, :k_size]
     return table[idx]

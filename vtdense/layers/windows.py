@@ -188,6 +188,8 @@ def window_attention_mask(
     inside the graph instead, and is never ``None`` (an all-False mask when nothing is masked), so
     a change of size that adds or removes padding needs no new graph.
     """
+    if torch.compiler.is_exporting():  # traced once, at fixed sizes: build it in the graph, never cache traced tensors
+        return _window_mask_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
     if torch.compiler.is_compiling():
         return _outside_graph_mask(H, W, tuple(window), tuple(shift), torch.device(device))
     return _window_mask_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
@@ -208,6 +210,8 @@ def window_token_index(
 
     Cached per size like the mask; built from tensor ops inside the graph under ``torch.compile``.
     """
+    if torch.compiler.is_exporting():
+        return _token_index_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
     if torch.compiler.is_compiling():
         return _outside_graph_index(H, W, tuple(window), tuple(shift), torch.device(device))
     return _token_index_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))

@@ -316,12 +316,14 @@ class SegmentationTask(BaseTask):
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         """Update the metrics (at the label's original resolution) and keep a few visualisations.
 
-        Repeats added by the distributed sampler are skipped, so every image counts once.
+        Repeats added by the distributed sampler, and samples standing in for an unreadable image
+        (see :mod:`vtdense.data.errors`), are skipped, so every image counts once.
         """
         positions = self.eval_positions(batch["image"].shape[0])
+        substitute = batch.get("substitute") or [False] * len(positions)
         pairs = self._predict_batch(batch)
         for i, ((pred, mask), pos) in enumerate(zip(pairs, positions)):
-            if pos is None:
+            if pos is None or substitute[i]:  # a distributed-sampler repeat, or a stand-in for an unreadable image
                 continue
             self.val_miou.update(pred, mask)
             self.val_class_iou.update(pred, mask)
