@@ -58,3 +58,29 @@ def test_finetune_recipe_path_end_to_end(tmp_path: Path, capsys: pytest.CaptureF
 def test_recipe_rejects_unknown_task() -> None:
     with pytest.raises(SystemExit, match="--task must be one of segmentation, detection"):
         _recipe().main(["--task", "classification"])
+
+
+def test_finetune_recipe_detection_task(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--task detection``: a window-4 Swin V2 backbone file fine-tuned at window 8 with layer decay."""
+    from tests.test_recipe_coco import tiny_args
+    from vtdense.data.synthetic import make_synthetic_coco
+
+    coco = make_synthetic_coco(tmp_path / "coco", num_train=4, num_val=2, size_range=(64, 96), num_classes=2)
+    small = vtdense.create_backbone("swinv2_tiny", embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=4)
+    vtdense.save_backbone(small, tmp_path / "bb.safetensors")
+    metrics = _recipe().main([
+        "--task", "detection", *tiny_args(coco, tmp_path / "run"), "--model.backbone=swinv2_tiny",
+        "--model.backbone_kwargs={embed_dim: 32, depths: [1, 1, 1, 1], num_heads: [1, 2, 4, 8], window_size: 8, "
+        "pretrained_window_size: 4}",
+        f"--model.backbone_weights={tmp_path / 'bb.safetensors'}", "--model.layer_decay=0.8",
+        "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.check_val_every_n_epoch=1",
+    ])
+    assert "val/bbox_mAP" in metrics and "val/segm_mAP" in metrics
+    assert "bb.safetensors" in capsys.readouterr().out  # the load report is printed
+    run = sorted((tmp_path / "run" / "lightning_logs").glob("version_*"))[-1]
+    state = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    hp = state["hyper_parameters"]
+    assert hp["layer_decay"] == 0.8 and hp["backbone_kwargs"]["window_size"] == 8
+    groups = state["optimizer_states"][0]["param_groups"]
+    ratios = sorted({round(g["initial_lr"] / max(x["initial_lr"] for x in groups), 6) for g in groups})
+    assert ratios == [round(0.8 ** k, 6) for k in range(len(ratios) - 1, -1, -1)] and len(ratios) >= 5  # 0.8^k per layer
