@@ -177,8 +177,10 @@ class DetectionTask(BaseTask):
             backbone: registered backbone name (``vtdense.list_backbones()``), e.g. ``swin_tiny``.
             backbone_kwargs: ``create_backbone`` overrides (``embed_dim``, ``depths``,
                 ``drop_path_rate``, ``window_size``, ...).
-            backbone_weights: local checkpoint of the backbone (any format ``vtdense.load_pretrained``
-                reads: timm, official, torchvision, ...), loaded when fitting starts; never downloaded.
+            backbone_weights: backbone checkpoint, a path (any format ``vtdense.load_pretrained`` reads:
+                timm, official, torchvision, detectron2, mmdet, safetensors, ...) or a Hugging Face Hub id
+                (``timm/swin_tiny_patch4_window7_224.ms_in1k``, through ``huggingface_hub``'s cache and
+                offline mode); loaded when fitting starts.
             head: ``mask_rcnn``, ``faster_rcnn``, ``retinanet`` or ``fcos``.
             num_classes: object classes (background excluded); ``None`` takes the datamodule's
                 ``num_classes`` in ``setup``.

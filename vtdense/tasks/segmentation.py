@@ -66,7 +66,7 @@ class SegmentationTask(BaseTask):
         arch: decoder architecture, one of ``vtdense.models.segmentation.ARCHITECTURES``.
         backbone: vtdense backbone name (``vtdense.list_backbones()``).
         backbone_kwargs: overrides for ``create_backbone`` (``window_size``, ``drop_path_rate``, ...).
-        backbone_weights: local backbone checkpoint for ``vtdense.load_pretrained``.
+        backbone_weights: backbone checkpoint for ``vtdense.load_pretrained``: a path or a Hugging Face Hub id.
         num_classes: classes (after ``reduce_zero_label``); ``None`` takes the datamodule's
             ``num_classes`` at setup (the model is then built in :meth:`setup`).
         arch_kwargs: extra arguments of the SMP model (``decoder_channels``, ...).
