@@ -179,3 +179,13 @@ def test_unreadable_validation_image_is_not_counted_twice(tmp_path: Path) -> Non
     with_bad, without = validate(bad), validate(good)
     assert with_bad["val/mIoU"] == pytest.approx(without["val/mIoU"], abs=1e-7)
     assert with_bad["val/aAcc"] == pytest.approx(without["val/aAcc"], abs=1e-7)
+
+
+def test_batch_size_one_with_upernet_is_a_clear_error_before_training(tmp_path: Path) -> None:
+    from vtdense.data.ade20k import ADE20KDataModule
+    from vtdense.data.synthetic_seg import generate_synthetic_segmentation
+
+    root = generate_synthetic_segmentation(tmp_path / "ade", num_train=2, num_val=1, size_range=(48, 64), seed=1)
+    dm = ADE20KDataModule(root=str(root), num_classes=8, batch_size=1, num_workers=0, scale=(64, 48), crop_size=(32, 32))
+    with pytest.raises(ValueError, match=r"data.batch_size=1 cannot train the upernet decoder"):
+        _trainer(tmp_path, max_steps=1).fit(_task(num_classes=8), datamodule=dm)

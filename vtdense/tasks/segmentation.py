@@ -32,6 +32,8 @@ from vtdense.tasks.optim import apply_layer_decay, layer_ids, param_groups, warm
 __all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table", "resize_logits"]
 
 _BACKBONE_PREFIX = "model.encoder.backbone."
+#: decoders with a global-pooling branch followed by BatchNorm: they cannot train on one image per batch.
+_POOLED_BN_ARCHS = frozenset({"upernet", "pspnet", "deeplabv3", "deeplabv3plus"})
 
 
 def color_palette(num_classes: int) -> np.ndarray:
@@ -153,9 +155,16 @@ class SegmentationTask(BaseTask):
     def setup(self, stage: str) -> None:
         """Build the model now if ``num_classes`` comes from the datamodule."""
         super().setup(stage)
-        if self.hparams.num_classes is not None:
-            return
         dm = getattr(self.trainer, "datamodule", None)
+        if self.hparams.num_classes is None:
+            self._build_from_datamodule(dm)
+        if stage == "fit" and getattr(dm, "batch_size", 2) == 1 and str(self.hparams.arch).lower() in _POOLED_BN_ARCHS:
+            raise ValueError(
+                f"data.batch_size=1 cannot train the {self.hparams.arch} decoder: its BatchNorm needs at least 2 images "
+                "per batch on every process (the pooled 1x1 branch has one value per channel); use data.batch_size >= 2"
+            )
+
+    def _build_from_datamodule(self, dm: Any) -> None:
         n = getattr(dm, "num_classes", None)
         if not isinstance(n, int) or n < 1:
             raise ValueError(
