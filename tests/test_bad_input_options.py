@@ -99,3 +99,10 @@ def test_wrong_type_in_yaml_names_the_option(tmp_path: Path, yaml_text: str, opt
     err = capsys.readouterr().err
     assert f'error: Parser key "{option}":' in err and detail in err, err[-2000:]
     assert not (tmp_path / "run").exists()
+
+
+def test_mvitv2_num_heads_list_names_the_option() -> None:
+    import vtdense
+
+    with pytest.raises(ValueError, match=r"MViTv2 num_heads is the head count of stage 1 .* got \[1, 2, 4, 8\]"):
+        vtdense.create_backbone("mvitv2_tiny", num_heads=[1, 2, 4, 8])

@@ -337,6 +337,11 @@ class MViTv2(Backbone):
         grad_checkpointing: bool = False,
     ) -> None:
         super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(
+                f"MViTv2 num_heads is the head count of stage 1 (doubled at each later stage), a positive int; "
+                f"got {num_heads!r}"
+            )
         depths = tuple(int(d) for d in depths)
         if not depths or min(depths) < 1:
             raise ValueError(f"depths must be positive block counts, got {depths}")
