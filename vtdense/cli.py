@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import math
 import os
+import pathlib
 import re
 import sys
 from pathlib import Path
@@ -112,6 +114,20 @@ def resume_path(trainer: Trainer, ckpt_path: str | None) -> str | None:
     if trainer.is_global_zero:
         print(f"resuming from {last}")
     return str(last)
+
+
+#: Classes a vtdense checkpoint may hold besides tensors and plain values (a datamodule given a ``Path``).
+_SAFE_CHECKPOINT_CLASSES = (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
+
+
+def fit_resumable(trainer: Trainer, model: LightningModule, datamodule: LightningDataModule, ckpt_path: str | None) -> None:
+    """``trainer.fit``; a checkpoint to resume from is read with ``torch.load(weights_only=True)``
+    (only tensors, plain values and ``pathlib`` paths), as every checkpoint from elsewhere should be."""
+    kwargs: dict[str, Any] = {}
+    if ckpt_path is not None and "weights_only" in inspect.signature(trainer.fit).parameters:
+        kwargs["weights_only"] = True
+    with torch.serialization.safe_globals(list(_SAFE_CHECKPOINT_CLASSES)):
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
 
 def _to_float(value: Any) -> float | None:
@@ -212,7 +228,7 @@ def run_recipe(
     cli = VtdenseCLI(task_cls, datamodule_cls, run=False, args=args, parser_kwargs=parser_kwargs)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
 
-    trainer.fit(model, datamodule=datamodule, ckpt_path=resume_path(trainer, cli.config.get("ckpt_path")))
+    fit_resumable(trainer, model, datamodule, resume_path(trainer, cli.config.get("ckpt_path")))
 
     ckpt_path: str | None = None
     callback = trainer.checkpoint_callback
