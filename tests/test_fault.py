@@ -160,3 +160,21 @@ def test_checkpoint_for_another_model_is_one_clear_error(coco: Path, tmp_path: P
     with pytest.raises(ValueError, match=r"a\.ckpt does not fit this model: it was trained with backbone_kwargs\.embed_dim"):
         fresh_trainer.fit(wide, datamodule=COCODataModule(root=str(coco), batch_size=2, num_workers=0, train_scales=[64],
                                                             max_size=96, test_scale=64), ckpt_path=str(ckpt_path))
+
+
+def test_skip_report_lists_bad_images_and_keeps_earlier_records(tmp_path: Path) -> None:
+    import json
+
+    from vtdense.data.errors import SKIP_REPORT_NAME
+
+    root = make_synthetic_coco(tmp_path / "coco", num_train=4, num_val=2, size_range=(64, 80), num_classes=2, seed=3)
+    victim = sorted((root / "train2017").glob("*.jpg"))[1]
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated JPEG: skipped at load time
+    run = tmp_path / "run"
+    run.mkdir()
+    earlier = {"file": "earlier.jpg", "image_id": 9, "annotation_id": None, "reason": "from before the kill", "when": "load"}
+    (run / SKIP_REPORT_NAME).write_text(json.dumps(earlier) + "\n")
+    _fit(_task(nonfinite_loss="skip"), root, run, steps=2)
+    records = [json.loads(line) for line in (run / SKIP_REPORT_NAME).read_text().splitlines()]
+    assert records[0] == earlier  # a resumed run keeps what was recorded before
+    assert any(r["file"] == str(victim) and r["when"] == "load" for r in records)

@@ -37,7 +37,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
-from vtdense.data.errors import SKIP_REPORT_NAME, write_skip_report
+from vtdense.data.errors import SKIP_REPORT_NAME, read_skip_report, write_skip_report
 from vtdense.tasks.fault import (
     NONFINITE_POLICIES,
     AtomicCheckpointIO,
@@ -156,7 +156,12 @@ class BaseTask(LightningModule):
         if not datasets:
             return
         if self.trainer.is_global_zero:
-            write_skip_report([r for d in datasets for r in d.skipped], self.run_dir)
+            records = [r for d in datasets for r in d.skipped]
+            report = self.run_dir / SKIP_REPORT_NAME
+            if report.is_file():  # a resumed run: keep what the earlier part of the run recorded
+                earlier = read_skip_report(report)
+                records = earlier + [r for r in records if r not in earlier]
+            write_skip_report(records, self.run_dir)
         self.trainer.strategy.barrier("vtdense_skip_report")  # every rank: the report exists before appends
         for d in datasets:
             d.skip_file = self.run_dir / SKIP_REPORT_NAME
