@@ -152,7 +152,7 @@ def test_checkpoint_for_another_model_is_one_clear_error(coco: Path, tmp_path: P
     seg = SegmentationTask(backbone="swin_tiny", backbone_kwargs={"embed_dim": 16, "depths": [1, 1, 1, 1],
                            "num_heads": [1, 1, 2, 2], "window_size": 4}, num_classes=2, arch_kwargs={"decoder_channels": 16},
                            aux_weight=0.0)
-    with pytest.raises(ValueError, match="is a _NaNAt checkpoint, not a SegmentationTask one"):
+    with pytest.raises(ValueError, match="is a DetectionTask checkpoint, not a SegmentationTask one"):
         seg.check_checkpoint_fits(ckpt, "a.ckpt")
     # and through Trainer.fit(ckpt_path=...): the error comes before training
     fresh_trainer = L.Trainer(accelerator="cpu", max_steps=3, limit_val_batches=0, logger=False, enable_progress_bar=False,

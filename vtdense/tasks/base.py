@@ -48,7 +48,7 @@ from vtdense.tasks.fault import (
     set_rng_state,
 )
 
-__all__ = ["BaseTask", "resolve_run_dir", "atomic_write_bytes"]
+__all__ = ["BaseTask", "atomic_write_bytes", "resolve_run_dir", "task_family"]
 
 
 def resolve_run_dir(trainer: Trainer) -> Path:
@@ -71,6 +71,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def task_family(cls: type) -> str:
+    """The vtdense task a class is (``DetectionTask`` for any subclass of it): what checkpoints record."""
+    for c in cls.__mro__:
+        if c.__module__.startswith("vtdense.tasks.") and c.__name__ != "BaseTask" and hasattr(c, "monitor"):
+            return c.__name__
+    return cls.__name__
 
 
 def _sampler_of(dataloader: Any) -> Any:
@@ -203,7 +211,7 @@ class BaseTask(LightningModule):
                 f"{', ...' if len(bad) > 5 else ''}); the previous checkpoint is kept"
             )
         checkpoint["vtdense_rng"] = self.gather(rng_state())
-        checkpoint["vtdense_task"] = type(self).__name__
+        checkpoint["vtdense_task"] = task_family(type(self))
 
     #: Hyperparameters that fix the shape of the weights: a checkpoint must agree on them to load.
     ARCHITECTURE_KEYS: tuple[str, ...] = ("backbone", "head", "arch", "num_classes")
@@ -215,8 +223,8 @@ class BaseTask(LightningModule):
         backbone, head or class count than this one (instead of a long key-mismatch traceback)."""
         where = f"checkpoint {source}" if source else "the checkpoint"
         task = checkpoint.get("vtdense_task")
-        if task is not None and task != type(self).__name__:
-            raise ValueError(f"{where} is a {task} checkpoint, not a {type(self).__name__} one")
+        if task is not None and task != task_family(type(self)):
+            raise ValueError(f"{where} is a {task} checkpoint, not a {task_family(type(self))} one")
         saved = checkpoint.get("hyper_parameters") or {}
         if task is None and saved and not any(k in saved for k in self.ARCHITECTURE_KEYS if k in self.hparams):
             raise ValueError(f"{where} was not written by a {type(self).__name__} (its hyperparameters are {sorted(saved)[:8]})")

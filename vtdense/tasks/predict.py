@@ -40,7 +40,7 @@ from torchvision.transforms.v2 import functional as TF
 
 from vtdense.data.images import decode_image
 from vtdense.data.predict import ImageFile, ImageSource, PredictImages, collate_predict, list_images
-from vtdense.tasks.base import atomic_write_bytes
+from vtdense.tasks.base import atomic_write_bytes, task_family
 
 __all__ = [
     "PredictionWriter",
@@ -97,6 +97,9 @@ def load_task_checkpoint(
         raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise ValueError(f"{path} is not a Lightning checkpoint of a vtdense task (no state_dict / hyper_parameters)")
+    task_name = ckpt.get("vtdense_task")
+    if task_name is not None and task_name != task_family(cls):
+        raise ValueError(f"checkpoint {path} is a {task_name} checkpoint of another task, not a {task_family(cls)} one")
     params = inspect.signature(cls.__init__).parameters
     unknown = sorted(k for k in overrides if k not in params)
     if unknown:
