@@ -12,6 +12,8 @@ from vtdense.backbones.swin import SwinBlock
 from vtdense.layers.attention import attention, attention_backend, flex_available, get_attention_backend, set_attention_backend
 from vtdense.layers.windows import MASK_VALUE, window_attention_mask
 
+from tests.test_swin import randomize_
+
 # FlexAttention without torch.compile runs PyTorch's unfused reference and says so; exact, but slow.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -27,16 +29,7 @@ PATHS = ["sdpa", FLEX, "math"]
 
 
 def _randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("logit_scale"):
-                p.copy_(torch.rand(p.shape, generator=g) * 2 + 1)
-            elif p.ndim == 1 and "norm" in name and name.endswith("weight"):
-                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return model
+    return randomize_(model, seed, std=0.1)
 
 
 def _reference(q, k, v, term, scale):

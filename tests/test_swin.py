@@ -18,7 +18,7 @@ from vtdense.layers.windows import effective_window, window_attention_mask
 TINY = dict(embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4), window_size=4)
 
 
-def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+def randomize_(model: torch.nn.Module, seed: int = 0, std: float = 0.05) -> torch.nn.Module:
     """Overwrite every parameter with random values (timm zero-inits some norms, which would
     make the outputs insensitive to whole branches and the parity test weak)."""
     g = torch.Generator().manual_seed(seed)
@@ -29,7 +29,7 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
             elif p.ndim == 1 and "norm" in name and name.endswith("weight"):
                 p.copy_(torch.rand(p.shape, generator=g) + 0.5)
             else:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+                p.copy_(torch.randn(p.shape, generator=g) * std)
     return model
 
 
