@@ -29,7 +29,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
 
-from vtdense.tasks.base import resolve_run_dir
+from vtdense.tasks.base import atomic_write_bytes, resolve_run_dir
 
 __all__ = [
     "VtdenseCLI",
@@ -259,9 +259,7 @@ def run_recipe(
                 payload = {}
         # strict JSON: NaN (a class absent from the validation set) is written as null
         payload.update({"checkpoint": ckpt_path, "metrics": {k: None if math.isnan(v) else v for k, v in metrics.items()}})
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(payload, indent=2, allow_nan=False) + "\n")
-        tmp.replace(path)
+        atomic_write_bytes(path, (json.dumps(payload, indent=2, allow_nan=False) + "\n").encode("utf-8"))
         print(format_metrics_table(metrics, title=f"final metrics ({ckpt_path or 'last weights'})"))
         print(describe_run_dir(out_dir))
     return metrics
