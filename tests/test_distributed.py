@@ -133,32 +133,118 @@ def test_coco_recipe_ddp_bf16_writes_what_one_process_writes(coco5: Path, tmp_pa
     assert ev.stats[0] == pytest.approx(saved["metrics"]["val/bbox_mAP"], abs=1e-6)
 
 
-def test_fsdp_strategy_wraps_and_checkpoints_transformer_blocks() -> None:
-    """``--trainer.strategy fsdp`` builds Lightning's FSDP with one unit per transformer block.
-
-    FSDP itself needs an accelerator, so the run is a GPU check; here the configuration and the
-    units it would wrap on a real detector are checked.
-    """
-    from lightning.pytorch.strategies import FSDPStrategy
+def test_fsdp_strategy_shards_every_transformer_block() -> None:
+    """``--trainer.strategy fsdp`` builds vtdense's FSDP2 strategy, which makes every Swin block an
+    FSDP unit (plus the entry modules), recomputes the blocks in backward, and keeps parameter names."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
     from vtdense.backbones.swin import SwinBlock
     from vtdense.cli import VtdenseCLI
     from vtdense.data.coco import COCODataModule
     from vtdense.models.detection import build_detector
+    from vtdense.strategies import VtdenseFSDPStrategy, shard_blocks
     from vtdense.tasks.detection import DetectionTask
 
     cli = VtdenseCLI(DetectionTask, COCODataModule, run=False, args=[
         "--trainer.strategy=fsdp", "--trainer.accelerator=cpu", "--trainer.devices=1", "--model.num_classes=3",
-        "--data.synthetic_if_missing=false", "--trainer.logger=false",
+        "--trainer.precision=16-mixed", "--data.synthetic_if_missing=false", "--trainer.logger=false",
     ])
-    strategy = cli.trainer.strategy
-    assert isinstance(strategy, FSDPStrategy)
-    policy = strategy.kwargs["auto_wrap_policy"]
-    assert strategy.kwargs["use_orig_params"] is True
-    checkpointed = strategy._activation_checkpointing_kwargs["auto_wrap_policy"]
+    assert isinstance(cli.trainer.strategy, VtdenseFSDPStrategy)
+    # fp16 under FSDP: a real fp16 autocast (not Lightning's CPU switch to bf16) with the sharded scaler
+    plugin = cli.trainer.precision_plugin
+    assert plugin.precision == "16-mixed" and isinstance(plugin.scaler, ShardedGradScaler)
+
     model = build_detector("swin_tiny", "mask_rcnn", 3, backbone_kwargs={"embed_dim": 16, "depths": [1, 2, 1, 1],
                                                                       "num_heads": [1, 1, 1, 1]})
-    for p in (policy, checkpointed):  # FSDP units and recomputed blocks: the 5 Swin blocks
-        units = p._run_policy(model, ignored_modules=set(), root_kwargs={})
-        wrapped = [m for m in units if m is not model]
-        assert len(wrapped) == 5 and all(isinstance(m, SwinBlock) for m in wrapped)
+    names = [n for n, _ in model.named_parameters()]
+    dist.init_process_group("gloo", init_method=f"file://{Path(cli.trainer.default_root_dir).resolve() / 'pg'}",
+                            rank=0, world_size=1)
+    try:
+        blocks = shard_blocks(model)
+        assert len(blocks) == 5 and all(isinstance(b, SwinBlock) and isinstance(b, FSDPModule) for b in blocks)
+        assert isinstance(model, FSDPModule)
+        assert all(stage.grad_checkpointing for stage in model.backbone.body.layers)
+        assert [n for n, _ in model.named_parameters()] == names  # checkpoints keep their keys
+        assert shard_blocks(model) == []  # idempotent: Lightning calls configure_model for every stage
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_training_and_metrics_equal_ddp(ade5: Path, coco5: Path, tmp_path: Path) -> None:
+    """2 processes, FSDP2 against DDP: the same trained weights and the same metrics (segmentation,
+    6 optimiser steps, with BatchNorm in the decoder); detection validation on fixed weights under
+    FSDP equals one process."""
+    ddp = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "6")
+    fsdp = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "6", "--strategy", "fsdp")
+    assert fsdp["world"] == 2 and fsdp["checksum"] == pytest.approx(ddp["checksum"], abs=1e-6)
+    m1, m2 = _numbers(ddp["metrics"]), _numbers(fsdp["metrics"])
+    assert set(m1) == set(m2)
+    for key in m1:
+        assert (m1[key] != m1[key] and m2[key] != m2[key]) or m2[key] == pytest.approx(m1[key], abs=1e-6), key
+
+
+def test_fsdp_overflow_step_is_skipped_on_every_rank(tmp_path: Path) -> None:
+    """fp16 under FSDP: an inf loss on one rank only (it reaches every shard through the gradient
+    reduce-scatter) makes both ranks skip the step, weights unchanged and finite, and halve the
+    scale; the next, finite step updates both the same way."""
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "fsdp_overflow.py"), str(tmp_path / "out.json")],
+                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = json.loads((tmp_path / "out.json").read_text())
+    assert len(ranks) == 2
+    for r in ranks:
+        assert r["autocast_dtype"] == "torch.float16"
+        assert r["unchanged_after_overflow"] and r["finite"]
+        assert r["scale_after_overflow"] == r["scale_before"] / 2
+        assert r["changed_after_good_step"]
+    assert ranks[0]["checksum"] == ranks[1]["checksum"]
+
+
+@pytest.mark.parametrize("recipe,precision", [("coco_swin", "16-mixed"), ("ade20k_swinv2", "bf16-mixed")])
+def test_recipes_run_under_fsdp(recipe: str, precision: str, coco5: Path, tmp_path: Path) -> None:
+    """Both recipes, 2 gloo processes, ``--trainer.strategy fsdp``: fit, validate the best
+    checkpoint, and write what one process writes; the gathered checkpoint loads in one process."""
+    import torch
+
+    if recipe == "coco_swin":
+        from tests.test_recipe_coco import tiny_args
+
+        args = tiny_args(coco5, tmp_path / "run") + ["--trainer.limit_train_batches=2"]
+    else:
+        from tests.test_recipe_ade20k import make_tiny_args
+
+        args = make_tiny_args(tmp_path)
+    args += [
+        "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=fsdp", f"--trainer.precision={precision}",
+        "--trainer.max_epochs=1", "--trainer.check_val_every_n_epoch=1",
+    ]
+    if recipe == "coco_swin":
+        args.append("--data.persistent_workers=false")
+    proc = subprocess.run([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *args], cwd=tmp_path, env=_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("final metrics") == 1
+    run = tmp_path / "run" / "lightning_logs" / "version_0"
+    saved = json.loads((run / "metrics.json").read_text())
+    assert (run / "checkpoints" / "last.ckpt").is_file() and saved["checkpoint"].endswith(".ckpt")
+    assert list((run / "predictions").glob("*.png"))
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert all(type(v) is torch.Tensor for v in ckpt["state_dict"].values())  # gathered, not shards
+    if recipe == "coco_swin":
+        from vtdense.tasks.detection import DetectionTask
+
+        assert ckpt["MixedPrecision"]["scale"] > 0  # the fp16 scaler's state is saved for resuming
+        task = DetectionTask.from_checkpoint(run / "checkpoints" / "last.ckpt")
+        gt = COCO(str(coco5 / "annotations" / "instances_val2017.json"))
+        assert json.loads((run / "bbox.json").read_text())  # score_thresh 0: every image has detections
+        ev = COCOeval(gt, gt.loadRes(str(run / "bbox.json")), "bbox")
+        ev.evaluate(), ev.accumulate(), ev.summarize()
+        assert ev.stats[0] == pytest.approx(saved["metrics"]["val/bbox_mAP"], abs=1e-6)
+    else:
+        from vtdense.tasks.segmentation import SegmentationTask
+
+        task = SegmentationTask.from_checkpoint(run / "checkpoints" / "last.ckpt")
+    assert sum(p.numel() for p in task.parameters()) == sum(v.numel() for k, v in ckpt["state_dict"].items()
+                                                          if k in dict(task.named_parameters()))

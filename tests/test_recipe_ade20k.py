@@ -34,8 +34,8 @@ def _plain_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", [str(RECIPE)])
 
 
-@pytest.fixture
-def tiny_args(tmp_path: Path) -> list[str]:
+def make_tiny_args(tmp_path: Path) -> list[str]:
+    """The demo config shrunk to 16-channel Swin V2 and 32 px crops, on 4+2 generated images."""
     root = generate_synthetic_segmentation(tmp_path / "ade", num_train=4, num_val=2, size_range=(48, 64), seed=2)
     config = {
         "model": {
@@ -50,6 +50,11 @@ def tiny_args(tmp_path: Path) -> list[str]:
     path = tmp_path / "tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     return ["--config", str(RECIPE.parent / "configs" / "ade20k_swinv2_demo.yaml"), "--config", str(path)]
+
+
+@pytest.fixture
+def tiny_args(tmp_path: Path) -> list[str]:
+    return make_tiny_args(tmp_path)
 
 
 def test_recipe_fast_dev_run(tiny_args: list[str], capsys: pytest.CaptureFixture) -> None:

@@ -68,11 +68,11 @@ class VtdenseCLI(LightningCLI):
         )
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Trainer:
-        """``strategy: fsdp`` means vtdense's block-wrapped FSDP (:func:`vtdense.strategies.fsdp_strategy`)."""
+        """``strategy: fsdp`` means vtdense's block-sharded FSDP2 (:func:`vtdense.strategies.trainer_options`)."""
         if config.get("strategy") == "fsdp":
-            from vtdense.strategies import fsdp_strategy
+            from vtdense.strategies import trainer_options
 
-            config = {**config, "strategy": fsdp_strategy()}
+            config = trainer_options(config)
         return super()._instantiate_trainer(config, callbacks)
 
 

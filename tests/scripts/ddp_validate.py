@@ -54,6 +54,7 @@ def main() -> None:
     p.add_argument("--data", required=True)
     p.add_argument("--devices", type=int, default=1)
     p.add_argument("--precision", default="32-true")
+    p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"], help="with --devices > 1")
     p.add_argument("--fit_steps", type=int, default=0, help="optimiser steps before validating (0: validate only)")
     p.add_argument("--save_weights", help="write the task's state dict here after fitting")
     p.add_argument("--load_weights", help="load the task's state dict from here before validating")
@@ -62,8 +63,13 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     model, dm = build(a.task, a.data)
+    options = dict(accelerator="cpu", strategy=a.strategy if a.devices > 1 else "auto", precision=a.precision)
+    if a.strategy == "fsdp":
+        from vtdense.strategies import trainer_options
+
+        options = trainer_options(options)
     trainer = L.Trainer(
-        accelerator="cpu", devices=a.devices, strategy="ddp" if a.devices > 1 else "auto", precision=a.precision,
+        devices=a.devices, **options,
         default_root_dir=a.root_dir, max_steps=max(a.fit_steps, 1), num_sanity_val_steps=0,
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
         limit_val_batches=0 if a.fit_steps else None,
@@ -76,7 +82,9 @@ def main() -> None:
         if a.save_weights and trainer.is_global_zero:
             torch.save(model.state_dict(), a.save_weights)
     results = trainer.validate(model, datamodule=dm, verbose=False)
-    checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
+    # every rank: gathering an FSDP shard (DTensor) into the full parameter is a collective
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    checksum = sum(float(p.detach().double().sum()) for p in full)
     if trainer.is_global_zero:
         payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "world": trainer.world_size}
         Path(a.out).write_text(json.dumps(payload))

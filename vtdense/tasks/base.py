@@ -134,6 +134,19 @@ class BaseTask(LightningModule):
         self.configure_models()
         self.configure_metrics()
 
+    def fsdp_units(self) -> list[torch.nn.Module]:
+        """The modules whose ``forward`` the task's steps call: under FSDP each becomes a unit that
+        owns the parameters outside the transformer blocks (default: ``[self.model]``)."""
+        return [self.model] if self.model is not None else []
+
+    def configure_model(self) -> None:
+        """Lightning's hook for model-parallel strategies: under ``--trainer.strategy fsdp``
+        (:class:`vtdense.strategies.VtdenseFSDPStrategy`) shard the network, one FSDP unit per
+        transformer block plus :meth:`fsdp_units`. Idempotent; nothing under other strategies."""
+        shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None
+        if shard is not None and self.model is not None:
+            shard(self, self.fsdp_units())
+
     def setup(self, stage: str) -> None:
         """Resolve the run directory on every rank (a collective under DDP); save checkpoints atomically."""
         if self._trainer is not None:

@@ -222,6 +222,11 @@ class SegmentationTask(BaseTask):
         ph, pw = (-h) % d, (-w) % d
         return (F.pad(x, (0, pw, 0, ph)) if ph or pw else x), h, w
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """The steps call the encoder, decoder and heads one by one (see :meth:`_logits`)."""
+        m = self.model
+        return [m.encoder, m.decoder, m.segmentation_head, self.aux_head] if m is not None else []
+
     def _logits(self, x: Tensor, with_aux: bool = False) -> tuple[Tensor, Tensor | None]:
         """Logits (and aux logits) at the input size for normalised images of any size."""
         x, h, w = self._pad(x)
