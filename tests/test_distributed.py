@@ -7,6 +7,7 @@ sampler pads rank 1 with a repeat that must not be counted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -32,9 +33,10 @@ def _env() -> dict[str, str]:
 
 
 def _run(tmp: Path, task: str, data: Path, devices: int, *extra: str) -> dict:
-    out = tmp / f"{task}_{devices}_{len(extra)}.json"  # one output per kind of run
+    tag = f"{task}_{devices}_{hashlib.sha1(' '.join(extra).encode()).hexdigest()[:8]}"  # one output per kind of run
+    out = tmp / f"{tag}.json"
     cmd = [sys.executable, str(SCRIPT), "--task", task, "--data", str(data), "--devices", str(devices),
-           "--root_dir", str(tmp / f"run_{task}_{devices}_{len(extra)}"), "--out", str(out), *extra]
+           "--root_dir", str(tmp / f"run_{tag}"), "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -86,6 +88,11 @@ def test_detection_metrics_two_processes_equal_one(coco5: Path, tmp_path: Path) 
     assert ev.stats[0] == pytest.approx(m2["val/bbox_mAP"], abs=1e-6)
     pngs = sorted(p.name for p in (Path(two["run_dir"]) / "predictions").glob("*.png"))
     assert len(pngs) == 3
+    # the same weights sharded by FSDP2 over the 2 processes give the same metrics
+    fsdp = _run(tmp_path, "detection", coco5, 2, "--load_weights", str(weights), "--strategy", "fsdp")
+    assert fsdp["checksum"] == one["checksum"]
+    for key, value in _numbers(fsdp["metrics"]).items():
+        assert value == pytest.approx(m1[key], abs=1e-6), key
 
 
 def test_segmentation_metrics_two_processes_equal_one(ade5: Path, tmp_path: Path) -> None:
@@ -183,6 +190,17 @@ def test_fsdp_training_and_metrics_equal_ddp(ade5: Path, coco5: Path, tmp_path: 
     assert set(m1) == set(m2)
     for key in m1:
         assert (m1[key] != m1[key] and m2[key] != m2[key]) or m2[key] == pytest.approx(m1[key], abs=1e-6), key
+
+
+def test_fp16_training_under_ddp_and_fsdp(ade5: Path, tmp_path: Path) -> None:
+    """``16-mixed`` on 2 processes with real fp16 autocast: DDP with Lightning's grad scaler and FSDP
+    with the sharded one train to the same weights."""
+    ddp = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--precision", "16-mixed")
+    fsdp = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--precision", "16-mixed", "--strategy", "fsdp")
+    assert ddp["scaler"] == "GradScaler" and fsdp["scaler"] == "ShardedGradScaler"
+    assert fsdp["checksum"] == pytest.approx(ddp["checksum"], abs=1e-4)
+    untrained = _run(tmp_path, "segmentation", ade5, 1)
+    assert ddp["checksum"] != untrained["checksum"]  # the steps were taken, not all skipped
 
 
 def test_fsdp_overflow_step_is_skipped_on_every_rank(tmp_path: Path) -> None:

@@ -68,6 +68,11 @@ def main() -> None:
         from vtdense.strategies import trainer_options
 
         options = trainer_options(options)
+    elif a.precision == "16-mixed":
+        # Lightning's own fp16 plugin: its CPU flag would quietly run bf16 instead
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        options.update(precision=None, plugins=[MixedPrecision("16-mixed", "cpu")])
     trainer = L.Trainer(
         devices=a.devices, **options,
         default_root_dir=a.root_dir, max_steps=max(a.fit_steps, 1), num_sanity_val_steps=0,
@@ -86,7 +91,9 @@ def main() -> None:
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
     checksum = sum(float(p.detach().double().sum()) for p in full)
     if trainer.is_global_zero:
-        payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "world": trainer.world_size}
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "world": trainer.world_size,
+                   "scaler": type(scaler).__name__ if scaler is not None else None}
         Path(a.out).write_text(json.dumps(payload))
 
 
