@@ -1,5 +1,6 @@
 """``torch.compile(backbone, dynamic=True)`` at changing input sizes: after the first two sizes,
-five more detection-like sizes compile nothing new, and compiled outputs equal eager.
+five more detection-like sizes compile nothing new, and compiled outputs equal eager, for Swin V1,
+Swin V2 and MViTv2 (global and windowed attention).
 
 The size-dependent Python (window masks, roll/partition indices, position-table indices, all
 cached per size) runs outside the traced graph, so Dynamo neither specialises on the sizes nor
@@ -10,6 +11,7 @@ every graph would take minutes.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch._dynamo
 from torch._dynamo.utils import counters
@@ -27,11 +29,22 @@ def _graphs() -> tuple[int, int]:
     return counters["stats"]["unique_graphs"], counters["frames"]["total"]
 
 
-def test_dynamic_compile_does_not_recompile_at_new_sizes() -> None:
+# Every family: Swin V1, Swin V2 (Log-CPB, cosine attention) and MViTv2 with global attention
+# (decomposed position tables resampled per size) and with hybrid windows.
+FAMILIES = {
+    "swin_tiny": TINY,
+    "swinv2_tiny": TINY,
+    "mvitv2_tiny": dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, drop_path_rate=0.0),
+    "mvitv2_tiny-windows": dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, window_size=8, drop_path_rate=0.0),
+}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_dynamic_compile_does_not_recompile_at_new_sizes(name: str) -> None:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = vtdense.create_backbone("swin_tiny", **TINY).eval()
+    model = vtdense.create_backbone(name.split("-")[0], **FAMILIES[name]).eval()
     compiled = torch.compile(model, dynamic=True, backend="eager")
     with torch.no_grad():
         for size in FIRST:

@@ -118,8 +118,13 @@ def _decomposed_index(q_size: int, k_size: int, device: torch.device) -> Tensor:
 
 
 def resize_rel_pos_table(rel_pos: Tensor, length: int) -> Tensor:
-    """Linearly resample a decomposed ``(L, C)`` table to ``(length, C)`` (identity if equal)."""
-    if rel_pos.shape[0] == length:
+    """Linearly resample a decomposed ``(L, C)`` table to ``(length, C)`` (identity if equal).
+
+    Under ``torch.compile`` the table is always resampled (exactly the identity at equal length:
+    every output row is one input row times 1), so whether the input size matches the size the
+    table was made for is not a guard that recompiles the graph.
+    """
+    if not torch.compiler.is_compiling() and rel_pos.shape[0] == length:
         return rel_pos
     grid = rel_pos.t()[None].float()  # 1, C, L
     return F.interpolate(grid, size=length, mode="linear")[0].t().to(rel_pos.dtype)

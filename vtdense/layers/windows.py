@@ -56,11 +56,15 @@ def effective_window(
 
 
 def pad_to_window(x: Tensor, window: tuple[int, int]) -> Tensor:
-    """Zero-pad ``(B, H, W, C)`` at the bottom/right up to multiples of ``window``."""
+    """Zero-pad ``(B, H, W, C)`` at the bottom/right up to multiples of ``window``.
+
+    Under ``torch.compile`` it always pads (possibly by 0), so whether a size needs padding is
+    not a guard that recompiles the graph at the next size.
+    """
     H, W = x.shape[1:3]
     pad_h = -H % window[0]
     pad_w = -W % window[1]
-    if pad_h or pad_w:
+    if torch.compiler.is_compiling() or pad_h or pad_w:
         x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
     return x
 
