@@ -173,7 +173,29 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
             print(f"   {k}: compiled and ran once in {time.perf_counter() - t:.1f} s", flush=True)
     heavy = case["batch"] * case["size"][0] * case["size"][1] * (3 if case["mode"] == "train" else 1) > 2e6 and device == "cpu"
     repeats = args.repeats or (3 if heavy else 5)
-    times = interleaved_times(steps, device, warmup=args.warmup, repeats=repeats)
+    warmup = args.warmup
+    if args.deadline is not None and steps:
+        # The FLOP-counting call timed one step of each contender: fit the rounds into the budget
+        # (fewer repeats, no warm-up, then no memory pass), or leave the case out if one round won't fit.
+        one_round = time.perf_counter() - t0
+        left = args.deadline - time.perf_counter()
+        passes = lambda r, w, mem: (r + w + (mem and device == "cpu")) * one_round  # noqa: E731
+        memory_pass = not args.no_memory
+        while passes(repeats, warmup, memory_pass) > left and (warmup or repeats > 1 or memory_pass):
+            if warmup:
+                warmup = 0
+            elif repeats > 2:
+                repeats = 3 if repeats > 3 else 2
+            elif memory_pass:
+                memory_pass = False
+            else:
+                repeats -= 1
+        if passes(repeats, warmup, memory_pass) > left:
+            print(f"   left out: one round takes ~{one_round:.0f} s and {max(left, 0):.0f} s of the budget are left", flush=True)
+            return dict(case, contenders=contenders, rows=[], errors=errors, left_out=True, round_s=one_round)
+        if not memory_pass:
+            args = argparse.Namespace(**{**vars(args), "no_memory": True})
+    times = interleaved_times(steps, device, warmup=warmup, repeats=repeats)
 
     memory: dict[str, float] = {}
     if not args.no_memory:
@@ -209,7 +231,7 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
               + (f"  peak {memory[k]:.0f} MiB" if k in memory else ""), flush=True)
     print(f"   ({time.perf_counter() - t0:.0f} s)", flush=True)
     return dict(case, contenders=contenders, best_peer=best, parity_max_abs_diff=diff, rows=rows, errors=errors,
-                repeats=repeats, warmup=args.warmup)
+                repeats=repeats, warmup=warmup, memory_measured=not args.no_memory)
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -254,7 +276,13 @@ def markdown(report: dict[str, Any]) -> str:
     if scale:
         lines += ["", "Growth of the time when the pixel count is multiplied by 4 (same run):", "",
                   "| family | contender | sizes | time x |", "|---|---|---|---|"] + scale
-    lines += ["", f"Skipped: {report['skipped']}" if report["skipped"] else ""]
+    trimmed = [f"{c['name']} ({c['repeats']} repeats{'' if c.get('memory_measured', True) else ', no memory pass'})"
+               for c in report["cases"] if report.get("budget_s") and (c["repeats"] < 3 or not c.get("memory_measured", True))]
+    if trimmed:
+        lines += ["", f"Trimmed to fit the {report['budget_s']:.0f} s budget: " + "; ".join(trimmed) + "."]
+    if report.get("left_out"):
+        lines += ["", f"Left out, over the {report['budget_s']:.0f} s budget on this machine: {report['left_out']}."]
+    lines += ["", f"Skipped (other tiers or --only): {report['skipped']}" if report["skipped"] else ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -307,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="run vtdense compiled on the CPU too (off by default there: compiling Swin-T takes minutes on 2 cores)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
+    ap.add_argument("--budget", type=float, default=0,
+                    help="seconds for the whole run (0: no limit): cases get fewer repeats, then no memory pass, "
+                    "then are left out (and listed) when the time left cannot hold them")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"), help="Markdown file to update")
     ap.add_argument("--json", default="", help="JSON output (default: benchmarks/results-<device>.json)")
     args = ap.parse_args(argv)
@@ -333,10 +364,14 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(case["name"])
             continue
         selected.append(case)
+    args.deadline = t0 + args.budget if args.budget else None
     results = [run_case(case, args, peak) for case in selected]
+    left_out = [r["name"] for r in results if r.get("left_out")]
+    results = [r for r in results if not r.get("left_out")]
     report = dict(device=args.device, tier=args.tier, environment=env, peak_gflops=peak / 1e9,
                   peak_dtype=str(peak_dtype).replace("torch.", ""), cases=results,
-                  skipped=", ".join(skipped), seconds=time.perf_counter() - t0)
+                  skipped=", ".join(skipped), left_out=", ".join(left_out), budget_s=args.budget or None,
+                  seconds=time.perf_counter() - t0)
     json_path = args.json or os.path.join(HERE, f"results-{args.device}.json")
     with open(json_path, "w") as f:
         json.dump(report, f, indent=1)

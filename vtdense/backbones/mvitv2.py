@@ -266,9 +266,10 @@ class MultiScaleBlock(nn.Module):
         if self.shortcut_pool_attn is not None:
             shortcut = self.shortcut_pool_attn(shortcut.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
         x = shortcut + self.drop_path1(self.attn(x_norm))
+        if self.shortcut_proj_mlp is None:  # the MLP's pre-norm is fused with its fc1 (see Mlp)
+            return x + self.drop_path2(self.mlp(x, norm=self.norm2))
         x_norm = self.norm2(x)
-        shortcut = x if self.shortcut_proj_mlp is None else self.shortcut_proj_mlp(x_norm)
-        return shortcut + self.drop_path2(self.mlp(x_norm))
+        return self.shortcut_proj_mlp(x_norm) + self.drop_path2(self.mlp(x_norm))
 
 
 class _PatchEmbed(nn.Module):

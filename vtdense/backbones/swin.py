@@ -28,7 +28,7 @@ from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.drop import DropPath
-from vtdense.layers.mlp import Mlp
+from vtdense.layers.mlp import Mlp, norm_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
 from vtdense.layers.windows import MASK_VALUE, effective_window, to_2tuple, window_attention_mask, window_token_index
 
@@ -151,19 +151,22 @@ class WindowAttention(nn.Module):
             return full[..., :n]
         return torch.where(mask[:, None], MASK_VALUE, bias)
 
-    def forward(self, x: Tensor, window: tuple[int, int], mask: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, window: tuple[int, int], mask: Tensor | None = None, norm: nn.Module | None = None) -> Tensor:
         """Attend within windows.
 
         Args:
             x: ``(B, nW, N, C)`` tokens grouped by window.
             window: the window ``(h, w)`` in use (``N = h * w``).
             mask: boolean ``(nW, N, N)`` shift/padding mask (True = blocked) or ``None``.
+            norm: V1's pre-norm, applied to ``x`` first (fused with the qkv projection).
         """
         B, nW, N, C = x.shape
         h = self.num_heads
         if self.cosine and self.q_bias is not None:
             bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
-            qkv = F.linear(x, self.qkv.weight, bias)
+            qkv = F.linear(norm(x) if norm is not None else x, self.qkv.weight, bias)
+        elif norm is not None:
+            qkv = norm_linear(x, norm, self.qkv)
         else:
             qkv = self.qkv(x)
         qkv = qkv.view(B, nW, N, 3, h, C // h)
@@ -238,7 +241,9 @@ class SwinBlock(nn.Module):
         # Swin V2's extra main-branch norm (used every few blocks in the largest models).
         self.norm3 = nn.LayerNorm(dim) if extra_norm else None
 
-    def _window_attention(self, x: Tensor) -> Tensor:
+    def _window_attention(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
+        """Windowed attention over ``(B, H, W, C)``; ``norm`` is applied per token after the
+        window gather (the same thing, fused with the qkv projection)."""
         B, H, W, C = x.shape
         window, shift = effective_window((H, W), self.window_size, self.shift_size)
         # Roll, padding and partition are one gather; reverse, roll back and crop another.
@@ -246,7 +251,7 @@ class SwinBlock(nn.Module):
         mask = window_attention_mask(H, W, window, shift, x.device)
         n = window[0] * window[1]
         windows = x.reshape(B, H * W, C).index_select(1, gather).view(B, -1, n, C)
-        out = self.attn(windows, window, mask)
+        out = self.attn(windows, window, mask, norm=norm)
         return out.view(B, -1, C).index_select(1, scatter).view(B, H, W, C)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -254,8 +259,8 @@ class SwinBlock(nn.Module):
             x = x + self.drop_path1(self.norm1(self._window_attention(x)))
             x = x + self.drop_path2(self.norm2(self.mlp(x)))
         else:
-            x = x + self.drop_path1(self._window_attention(self.norm1(x)))
-            x = x + self.drop_path2(self.mlp(self.norm2(x)))
+            x = x + self.drop_path1(self._window_attention(x, norm=self.norm1))
+            x = x + self.drop_path2(self.mlp(x, norm=self.norm2))  # pre-norm fused with fc1 (see Mlp)
         if self.norm3 is not None:
             x = self.norm3(x)
         return x

@@ -2,19 +2,111 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Mlp"]
+__all__ = ["Mlp", "gelu_linear", "norm_linear"]
+
+
+class _GeluLinear(torch.autograd.Function):
+    """``linear(gelu(h), weight, bias)`` that keeps only ``h`` for the backward pass.
+
+    Plain autograd keeps both ``h`` (for GELU's gradient) and ``gelu(h)`` (for the weight
+    gradient): two hidden-width tensors per block, the largest activations of a transformer. The
+    backward here recomputes ``gelu(h)`` from ``h`` instead (one cheap pointwise op), which saves
+    a quarter to a third of a training step's activation memory at the same results.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        out = F.linear(F.gelu(h), weight, bias)  # autocast, if on, casts as for a plain linear
+        ctx.save_for_backward(h, weight)
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        h, weight = ctx.saved_tensors
+        dtype = grad.dtype  # the dtype the forward's linear ran in
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_h = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_g = (g2 @ weight.to(dtype)).view(*grad.shape[:-1], weight.shape[1])
+            grad_h = torch.ops.aten.gelu_backward(grad_g.to(h.dtype), h)
+        if ctx.needs_input_grad[1]:
+            act = F.gelu(h).to(dtype)
+            grad_w = (g2.t() @ act.reshape(-1, act.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(weight.dtype)
+        return grad_h, grad_w, grad_b
+
+
+def gelu_linear(h: Tensor, linear: nn.Linear) -> Tensor:
+    """``linear(gelu(h))``; when training eagerly it stores only ``h`` for the backward pass
+    (:class:`_GeluLinear`). ``h``: ``(..., in)`` -> ``(..., out)``."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and (h.requires_grad or linear.weight.requires_grad):
+        return _GeluLinear.apply(h, linear.weight, linear.bias)
+    return linear(F.gelu(h))
+
+
+class _NormLinear(torch.autograd.Function):
+    """``linear(layer_norm(x))`` that keeps only ``x`` (not the normalised copy) for the backward
+    pass, recomputing the norm there: one channel-width tensor less per pre-norm block."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, norm_w: Tensor | None, norm_b: Tensor | None, eps: float, weight: Tensor,
+                bias: Tensor | None) -> Tensor:
+        out = F.linear(F.layer_norm(x, x.shape[-1:], norm_w, norm_b, eps), weight, bias)
+        ctx.save_for_backward(x, norm_w, norm_b, weight)
+        ctx.eps, ctx.has_bias = eps, bias is not None
+        dev = x.device.type  # the backward recomputes the norm under the forward's autocast state
+        ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cpu", "cuda") else None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, norm_w, norm_b, weight = ctx.saved_tensors
+        dtype = grad.dtype
+        amp = torch.autocast(ctx.amp[0], dtype=ctx.amp[2], enabled=ctx.amp[1]) if ctx.amp else contextlib.nullcontext()
+        with torch.enable_grad(), amp:
+            leaves = [t.detach().requires_grad_(True) if t is not None else None for t in (x, norm_w, norm_b)]
+            y = F.layer_norm(leaves[0], x.shape[-1:], leaves[1], leaves[2], ctx.eps)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_y = (g2 @ weight.to(dtype)).view(*grad.shape[:-1], weight.shape[1])
+        wanted = [t for t, need in zip(leaves, ctx.needs_input_grad[:3]) if t is not None and need]
+        found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype))) if wanted else iter(())
+        grads_in = [next(found) if t is not None and need else None for t, need in zip(leaves, ctx.needs_input_grad[:3])]
+        grad_w = (g2.t() @ y.detach().to(dtype).reshape(-1, y.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[4] else None
+        grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[5] else None
+        return grads_in[0], grads_in[1], grads_in[2], None, grad_w, grad_b
+
+
+def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
+    """``linear(norm(x))``; when training eagerly it stores only ``x`` for the backward pass
+    (the norm is recomputed there). ``x``: ``(..., in)`` -> ``(..., out)``."""
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling() and isinstance(norm, nn.LayerNorm)
+            and len(norm.normalized_shape) == 1):
+        return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
+    return linear(norm(x))
 
 
 class Mlp(nn.Module):
     """Two-layer GELU MLP (names ``fc1``/``fc2`` as in timm), optionally changing the width.
+
+    Training without dropout keeps only ``fc1``'s output for the backward pass and recomputes
+    the GELU (see :func:`gelu_linear`); the results are the same.
 
     Args:
         dim: input channels.
         hidden: hidden channels.
         out_dim: output channels (``None``: ``dim``).
         drop: dropout after the activation and after ``fc2``.
+
+    Shapes: ``(..., dim)`` -> ``(..., out_dim)``.
     """
 
     def __init__(self, dim: int, hidden: int, out_dim: int | None = None, drop: float = 0.0) -> None:
@@ -24,5 +116,10 @@ class Mlp(nn.Module):
         self.fc2 = nn.Linear(hidden, out_dim or dim)
         self.drop = nn.Dropout(drop)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+    def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
+        """``x``: ``(..., dim)``; ``norm``: a pre-norm to apply first (fused with ``fc1``)."""
+        if self.drop.p and self.training:
+            x = norm(x) if norm is not None else x
+            return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+        h = norm_linear(x, norm, self.fc1) if norm is not None else self.fc1(x)
+        return self.drop(gelu_linear(h, self.fc2))

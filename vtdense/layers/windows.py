@@ -188,9 +188,10 @@ def window_attention_mask(
     additive term with ``torch.where(mask, MASK_VALUE, bias)``. ``None`` when nothing needs
     masking. Cached per (H, W, window, shift, device): built once per feature-map size.
 
-    Under ``torch.compile`` the mask is built from tensor ops on the (possibly symbolic) sizes
-    inside the graph instead, and is never ``None`` (an all-False mask when nothing is masked), so
-    a change of size that adds or removes padding needs no new graph.
+    Under ``torch.compile`` the cached mask is fetched outside the traced graph (a graph break
+    that runs eagerly on the concrete sizes, so Dynamo neither traces the cache nor guards on the
+    sizes), and is never ``None`` (an all-False mask when nothing is masked), so a change of size
+    that adds or removes padding needs no new graph. ``torch.export`` builds it inside the graph.
     """
     if torch.compiler.is_exporting():  # traced once, at fixed sizes: build it in the graph, never cache traced tensors
         return _window_mask_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
@@ -212,7 +213,8 @@ def window_token_index(
         ``scatter``: ``(H * W,)`` position of each token in that sequence, so
         ``windows[:, scatter]`` is :func:`window_reverse`, roll back and crop in one gather.
 
-    Cached per size like the mask; built from tensor ops inside the graph under ``torch.compile``.
+    Cached per size like the mask, and fetched outside the traced graph under ``torch.compile``
+    (built inside it under ``torch.export``).
     """
     if torch.compiler.is_exporting():
         return _token_index_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))

@@ -1,0 +1,85 @@
+"""Training memory: the fused MLP/norm paths keep fewer activations and change no result.
+
+``Mlp`` recomputes its GELU and, in pre-norm blocks, the LayerNorm before ``fc1``/``qkv`` in the
+backward pass instead of storing their outputs. The gradients must be exactly those of plain
+autograd, and a whole backbone must match timm's gradients on the same weights. The memory is
+counted deterministically: the bytes of the distinct tensors autograd saves for the backward
+pass (no timing, no process RSS).
+"""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+
+import vtdense
+from tests.test_swin import randomize_
+from vtdense.layers.mlp import Mlp
+
+
+def _grads(mlp: Mlp, norm: torch.nn.LayerNorm, x: torch.Tensor, fused: bool, dtype: torch.dtype | None) -> list[torch.Tensor]:
+    params = [*mlp.parameters(), *norm.parameters()]
+    for p in params:
+        p.grad = None
+    x = x.detach().requires_grad_(True)
+    amp = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
+    with amp:
+        y = mlp(x, norm=norm) if fused else mlp.fc2(F.gelu(mlp.fc1(norm(x))))
+    (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return [y.detach(), x.grad, *(p.grad for p in params)]
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_fused_mlp_gradients_equal_plain_autograd(dtype: torch.dtype | None) -> None:
+    torch.manual_seed(0)
+    mlp, norm = Mlp(24, 96), torch.nn.LayerNorm(24)
+    randomize_(norm, std=0.5)
+    x = torch.randn(2, 7, 24)
+    fused, plain = _grads(mlp, norm, x, True, dtype), _grads(mlp, norm, x, False, dtype)
+    for a, b in zip(fused, plain):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert fused[0].dtype == (dtype or torch.float32) and fused[1].dtype == torch.float32
+
+
+def _saved_mib(model: torch.nn.Module, x: torch.Tensor) -> float:
+    """MiB of the distinct activation storages autograd keeps for the backward pass of
+    ``model(x)`` (the parameters it also references are not counted: they exist anyway)."""
+    sizes: dict[int, int] = {}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            sizes[storage.data_ptr()] = max(sizes.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x)
+    del out
+    return sum(sizes.values()) / 2**20
+
+
+def test_swin_training_keeps_less_than_timm_with_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    ref = randomize_(timm.create_model("swin_tiny_patch4_window7_224", pretrained=False, features_only=True,
+                                       drop_path_rate=0.0)).train()
+    ours = vtdense.create_backbone("swin_tiny", out_norm=False, drop_path_rate=0.0).train()
+    vtdense.load_pretrained(ours, ref.state_dict())
+    x = torch.randn(1, 3, 224, 224)
+    ours_mib, ref_mib = _saved_mib(ours, x), _saved_mib(ref, x)
+    assert ours_mib < 0.8 * ref_mib, (ours_mib, ref_mib)
+
+    def grads(model: torch.nn.Module, channels_last: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        feats = model(x)
+        feats = list(feats.values()) if isinstance(feats, dict) else [f.permute(0, 3, 1, 2) for f in feats]
+        sum((f * torch.linspace(-1, 1, f.numel()).view_as(f)).sum() for f in feats).backward()
+        return {n.replace("layers_", "layers."): p.grad for n, p in model.named_parameters()}
+
+    g_ours, g_ref = grads(ours, False), grads(ref, True)
+    assert set(g_ours) == set(g_ref)
+    for name, g in g_ref.items():
+        scale = g.abs().max().item() + 1e-12
+        assert (g_ours[name] - g).abs().max().item() <= 1e-4 * scale + 1e-6, name
