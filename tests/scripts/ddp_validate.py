@@ -93,7 +93,8 @@ def main() -> None:
     if trainer.is_global_zero:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "world": trainer.world_size,
-                   "scaler": type(scaler).__name__ if scaler is not None else None}
+                   "scaler": type(scaler).__name__ if scaler is not None else None,
+                   "scale": float(scaler.get_scale()) if scaler is not None else None}
         Path(a.out).write_text(json.dumps(payload))
 
 
