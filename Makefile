@@ -25,11 +25,11 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
 
-# Side-by-side speed and memory against timm and torchvision (benchmarks/RESULTS.md), within a 9 min 30 s
+# Side-by-side speed and memory against timm and torchvision (benchmarks/RESULTS.md), within a 9 min
 # budget (cases that would not fit on a slow machine get fewer repeats or are left out, and are listed).
 # BENCH_ARGS=--quick for a short run, BENCH_ARGS="--device cuda --budget 0" on a GPU.
 bench: $(VENV)/.installed-test
-	$(BIN)/python benchmarks/run.py --device cpu --budget 570 $(BENCH_ARGS)
+	$(BIN)/python benchmarks/run.py --device cpu --budget 540 $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -147,6 +147,9 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
     ]
     print(f"\n== {case['name']}: {', '.join(contenders)}", flush=True)
     t0 = time.perf_counter()
+    if args.deadline is not None and t0 >= args.deadline:
+        print("   left out: the budget is spent", flush=True)
+        return dict(case, contenders=contenders, rows=[], errors={}, left_out=True, round_s=None)
     steps, errors = {}, {}
     for k in contenders:
         try:
