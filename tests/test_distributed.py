@@ -140,7 +140,7 @@ def test_coco_recipe_ddp_bf16_writes_what_one_process_writes(coco5: Path, tmp_pa
     assert ev.stats[0] == pytest.approx(saved["metrics"]["val/bbox_mAP"], abs=1e-6)
 
 
-def test_fsdp_strategy_shards_every_transformer_block() -> None:
+def test_fsdp_strategy_shards_every_transformer_block(tmp_path: Path) -> None:
     """``--trainer.strategy fsdp`` builds vtdense's FSDP2 strategy, which makes every Swin block an
     FSDP unit (plus the entry modules), recomputes the blocks in backward, and keeps parameter names."""
     import torch.distributed as dist
@@ -166,8 +166,7 @@ def test_fsdp_strategy_shards_every_transformer_block() -> None:
     model = build_detector("swin_tiny", "mask_rcnn", 3, backbone_kwargs={"embed_dim": 16, "depths": [1, 2, 1, 1],
                                                                       "num_heads": [1, 1, 1, 1]})
     names = [n for n, _ in model.named_parameters()]
-    dist.init_process_group("gloo", init_method=f"file://{Path(cli.trainer.default_root_dir).resolve() / 'pg'}",
-                            rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg_store'}", rank=0, world_size=1)
     try:
         blocks = shard_blocks(model)
         assert len(blocks) == 5 and all(isinstance(b, SwinBlock) and isinstance(b, FSDPModule) for b in blocks)
