@@ -57,7 +57,7 @@ def cases() -> list[dict[str, Any]]:
     c = _case
     cpu = [
         c("Swin-T inference, batch 8 at 224", "swin_t", "infer", 8, (224, 224),
-          ["vtdense", "vtdense compiled", *SWIN_PEERS], tier="quick", parity=True, compile_tier="full"),
+          ["vtdense", "vtdense compiled", *SWIN_PEERS, "timm compiled"], tier="quick", parity=True, compile_tier="full"),
         c("SwinV2-T inference, batch 8 at 256", "swinv2_t", "infer", 8, (256, 256),
           ["vtdense", "timm", "torchvision"], tier="quick", parity=True),
         c("MViTv2-T inference, batch 8 at 224", "mvitv2_t", "infer", 8, (224, 224), ["vtdense", "timm"], tier="quick", parity=True),
