@@ -147,6 +147,9 @@ def test_fsdp_strategy_shards_every_transformer_block(tmp_path: Path) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+    import torch
+
+    from vtdense import create_backbone as vtdense_backbone
     from vtdense.backbones.swin import SwinBlock
     from vtdense.cli import VtdenseCLI
     from vtdense.data.coco import COCODataModule
@@ -174,6 +177,14 @@ def test_fsdp_strategy_shards_every_transformer_block(tmp_path: Path) -> None:
         assert all(stage.grad_checkpointing for stage in model.backbone.body.layers)
         assert [n for n, _ in model.named_parameters()] == names  # checkpoints keep their keys
         assert shard_blocks(model) == []  # idempotent: Lightning calls configure_model for every stage
+        # MViTv2: every MultiScaleBlock (pooling attention, hybrid windows) is a unit too, and it still trains
+        from vtdense.backbones.mvitv2 import MultiScaleBlock
+
+        mvit = vtdense_backbone("mvitv2_tiny", embed_dim=16, depths=[1, 2, 1, 1], num_heads=1, window_size=8)
+        blocks = shard_blocks(mvit)
+        assert len(blocks) == 5 and all(isinstance(b, MultiScaleBlock) and isinstance(b, FSDPModule) for b in blocks)
+        sum(f.mean() for f in mvit(torch.randn(1, 3, 64, 64)).values()).backward()
+        assert all(p.grad is not None for p in mvit.parameters())
     finally:
         dist.destroy_process_group()
 
