@@ -125,7 +125,8 @@ class VtdenseFSDPStrategy(ModelParallelStrategy):
 
         FSDP shards parameters only; without this, each rank's BatchNorm running statistics (in
         the UPerNet/FPN decoders) drift apart, evaluation differs by rank, and the checkpoint holds
-        rank 0's. A collective: every rank calls it at the start of every step.
+        rank 0's. A collective: every rank calls it at the start of every training step and of
+        every validation / test run.
         """
         if self.world_size < 2 or self.model is None:
             return
@@ -139,13 +140,14 @@ class VtdenseFSDPStrategy(ModelParallelStrategy):
         self._sync_norm_buffers()
         return super().training_step(*args, **kwargs)
 
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+    def on_validation_start(self) -> None:
+        # statistics do not change in evaluation: once, before its first step, is enough
+        super().on_validation_start()
         self._sync_norm_buffers()
-        return super().validation_step(*args, **kwargs)
 
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+    def on_test_start(self) -> None:
+        super().on_test_start()
         self._sync_norm_buffers()
-        return super().test_step(*args, **kwargs)
 
     def setup(self, trainer: pl.Trainer) -> None:
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "16-mixed":
