@@ -18,6 +18,11 @@ call per contender. The report gives
   (:func:`common.isolated_peak_rss`), on a GPU ``max_memory_allocated`` above the model's own;
 - for backbones at window-multiple sizes, vtdense's max abs difference to timm on the same weights.
 
+The default and full tiers end with three sections: the attention kernel every attention call
+runs, from the profiler (:mod:`attention_kernels`: fused or SDPA's math fallback); the detection
+recipe run end to end against its isolated step (:mod:`recipe_speed`); and the batch shapes per
+epoch at each padding grid with the cost of a new shape (:mod:`padding`).
+
 Results go to ``benchmarks/results-<device>.json`` and to the ``<device>`` section of
 ``benchmarks/RESULTS.md`` (other sections are kept). On a shared machine compare only ratios of the
 same run: absolute times move with the load.
@@ -42,7 +47,15 @@ import torch  # noqa: E402
 from common import count_flops, cuda_peak, environment, interleaved_times, isolated_peak_rss, matmul_peak, median  # noqa: E402
 from contenders import FAMILIES, build_model, features, make_step  # noqa: E402
 
+import attention_kernels  # noqa: E402
+import padding  # noqa: E402
+import recipe_speed  # noqa: E402
+
 TIERS = {"quick": 0, "default": 1, "full": 2}
+#: seconds kept back for the sections after the cases (recipe end to end, padding grid), per device
+EXTRAS_SECONDS = {"cpu": {"recipe": 60.0, "padding": 30.0, "attention": 30.0},
+                  "cuda": {"recipe": 150.0, "padding": 60.0, "attention": 30.0}}
+RECIPE_STEPS = {"cpu": 40, "cuda": 200}
 SWIN_PEERS = ["timm", "timm fused", "torchvision"]
 
 
@@ -285,6 +298,12 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Trimmed to fit the {report['budget_s']:.0f} s budget: " + "; ".join(trimmed) + "."]
     if report.get("left_out"):
         lines += ["", f"Left out, over the {report['budget_s']:.0f} s budget on this machine: {report['left_out']}."]
+    for name, section in (("attention", attention_kernels), ("recipe", recipe_speed), ("padding", padding)):
+        extra = report.get("extras", {}).get(name)
+        if isinstance(extra, dict):
+            lines += [""] + section.markdown(extra)
+        elif extra:
+            lines += ["", f"{name} section failed: {extra}"]
     lines += ["", f"Skipped (other tiers or --only): {report['skipped']}" if report["skipped"] else ""]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -338,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="run vtdense compiled on the CPU too (off by default there: compiling Swin-T takes minutes on 2 cores)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
+    ap.add_argument("--no-extras", action="store_true",
+                    help="skip the recipe end-to-end and padding-grid sections (run in the default and full tiers)")
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds for the whole run (0: no limit): cases get fewer repeats, then no memory pass, "
                     "then are left out (and listed) when the time left cannot hold them")
@@ -367,13 +388,28 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(case["name"])
             continue
         selected.append(case)
-    args.deadline = t0 + args.budget if args.budget else None
+    # The recipe and padding sections run after the cases; their time is kept back from the cases' budget.
+    run_extras = args.tier != "quick" and not args.only and not args.no_extras
+    extras_s = sum(EXTRAS_SECONDS[args.device].values()) if run_extras else 0.0
+    args.deadline = t0 + args.budget - extras_s if args.budget else None
     results = [run_case(case, args, peak) for case in selected]
     left_out = [r["name"] for r in results if r.get("left_out")]
+    extras: dict[str, Any] = {}
+    if run_extras:
+        for name, fn in (("recipe", lambda: recipe_speed.run(args.device, steps=RECIPE_STEPS[args.device])),
+                         ("padding", lambda: padding.run(args.device)),
+                         # bf16 where users train (GPU); fp32 on the CPU, where bf16 is not the use
+                         ("attention", lambda: attention_kernels.run(args.device, "bf16" if args.device == "cuda" else "fp32"))):
+            print(f"\n== {name} section", flush=True)
+            try:
+                extras[name] = fn()
+            except Exception as err:  # noqa: BLE001 - reported in the table, the other results are kept
+                extras[name] = f"{type(err).__name__}: {err}"[:500]
+            print(extras[name], flush=True)
     results = [r for r in results if not r.get("left_out")]
     report = dict(device=args.device, tier=args.tier, environment=env, peak_gflops=peak / 1e9,
                   peak_dtype=str(peak_dtype).replace("torch.", ""), cases=results,
-                  skipped=", ".join(skipped), left_out=", ".join(left_out), budget_s=args.budget or None,
+                  skipped=", ".join(skipped), left_out=", ".join(left_out), budget_s=args.budget or None, extras=extras,
                   seconds=time.perf_counter() - t0)
     json_path = args.json or os.path.join(HERE, f"results-{args.device}.json")
     with open(json_path, "w") as f:

@@ -13,6 +13,7 @@ from vtdense.models.detection import (
     NoResizeTransform,
     build_detector,
     list_heads,
+    set_size_divisibility,
 )
 
 TINY = dict(embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8), window_size=4)
@@ -153,6 +154,26 @@ def test_transform_pads_and_normalises_but_never_resizes() -> None:
         std = torch.tensor(model.transform.image_std)[:, None, None]
         assert torch.allclose(batch.tensors[1, :, :45, :130], (images[1] - mean) / std)
         assert batch.tensors[1, :, 45:, :].abs().sum() == 0
+
+
+def test_size_divisibility_pads_batches_to_a_coarser_grid() -> None:
+    images = [torch.rand(3, 70, 90), torch.rand(3, 45, 130)]
+    model = tiny_detector("faster_rcnn", size_divisibility=128).eval()
+    batch, _ = model.transform(images)
+    assert batch.tensors.shape == (2, 3, 128, 256) and batch.image_sizes == [(70, 90), (45, 130)]
+    with torch.no_grad():
+        dets = model(images)
+    for det, (h, w) in zip(dets, batch.image_sizes):  # detections stay inside each image, not the padding
+        assert (det["boxes"][:, 2] <= w).all() and (det["boxes"][:, 3] <= h).all()
+    assert set_size_divisibility(model, None) == 32
+    assert model.transform(images)[0].tensors.shape == (2, 3, 96, 160)
+    assert set_size_divisibility(model, 64) == 64
+    assert model.transform(images)[0].tensors.shape == (2, 3, 128, 192)
+    for bad in (48, 0, -32, 64.0, True):
+        with pytest.raises(ValueError, match=rf"size_divisibility={bad!r}: must be a positive multiple of the backbone's size_divisibility \(32\)"):
+            set_size_divisibility(model, bad)
+    with pytest.raises(ValueError, match="size_divisibility=100"):
+        tiny_detector("fcos", size_divisibility=100)
 
 
 @pytest.mark.parametrize("head", ["mask_rcnn", "faster_rcnn", "retinanet", "fcos"])

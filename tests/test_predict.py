@@ -280,14 +280,17 @@ def test_recipe_predict_detection(det_ckpt: Path, photos: Path, tmp_path: Path, 
     out = tmp_path / "out"
     summary = _recipe("coco_swin").main(
         ["predict", f"--ckpt_path={det_ckpt}", f"--data.predict_path={photos}", "--score_thresh=0.0",
-         "--data.num_workers=0", "--data.batch_size=1", f"--output={out}", "--progress_bar=false"]
+         "--data.num_workers=0", "--data.batch_size=1", f"--output={out}", "--progress_bar=false",
+         "--size_divisibility=128"]
     )
     printed = capsys.readouterr().out
     assert f"output directory: {out}" in printed and "vis/  (4 PNG)" in printed and summary["images"] == 4
     index = json.loads((out / "images.json").read_text())
     results = json.loads((out / "results.json").read_text())
     assert [c["name"] for c in index["categories"]] == ["widget", "gadget"]
-    api = DetectionTask.from_checkpoint(det_ckpt).predict_images(photos, score_thresh=0.0)
+    task = DetectionTask.from_checkpoint(det_ckpt)
+    assert task.set_size_divisibility(128) == 128 and task.model.transform.size_divisible == 128
+    api = task.predict_images(photos, score_thresh=0.0)
     for image, ref in zip(index["images"], api):
         assert image["path"] == ref["path"] and image["file_name"] == Path(ref["path"]).name
         with Image.open(out / image["vis"]) as png:
@@ -335,6 +338,12 @@ def test_recipe_predict_options(det_ckpt: Path, seg_ckpt: Path, photos: Path, ca
         _recipe("coco_swin").main(["predict", f"--ckpt_path={det_ckpt}", "--data.eval_scale=[64, 48]", *base])
     with pytest.raises(FileNotFoundError, match="nothing_here"):
         _recipe("coco_swin").main(["predict", f"--ckpt_path={det_ckpt}", f"--data.predict_path={photos}/nothing_here"])
+    with pytest.raises(ValueError, match="--size_divisibility does not apply to a SegmentationTask"):
+        _recipe("ade20k_swinv2").main(["predict", f"--ckpt_path={seg_ckpt}", "--size_divisibility=64", *base])
+    with pytest.raises(ValueError, match="size_divisibility=48: must be a positive multiple"):
+        _recipe("coco_swin").main(["predict", f"--ckpt_path={det_ckpt}", "--size_divisibility=48", *base])
+    with pytest.raises(ValueError, match="option 'size_divisibility'"):
+        DetectionTask(num_classes=2, size_divisibility=0)
 
 
 def test_recipe_predict_ddp_two_processes(det_ckpt: Path, photos: Path, tmp_path: Path) -> None:

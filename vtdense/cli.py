@@ -317,6 +317,9 @@ def predict_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="detection: short side (default: the checkpoint's datamodule test_scale)")
     p.add_argument("--data.max_size", dest="max_size", type=int, default=None,
                    help="detection: long-side cap (default: the checkpoint's datamodule max_size)")
+    p.add_argument("--size_divisibility", type=int, default=None,
+                   help="detection: pad images to a multiple of this (default: the checkpoint's, 32); a coarser grid "
+                   "such as 128 bounds the distinct shapes of images of many sizes")
     p.add_argument("--data.eval_scale", dest="eval_scale", type=_yaml_value, default=None,
                    help="segmentation: (long, short) resize, e.g. '[2048, 512]' (default: the checkpoint's)")
     p.add_argument("--progress_bar", type=_yaml_value, default=True, help="show the progress bar (default true)")
@@ -360,6 +363,10 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
     if ns.score_thresh is not None and not has_threshold:
         raise ValueError(f"--score_thresh does not apply to a {type(task).__name__} checkpoint")
     score_thresh = (0.5 if ns.score_thresh is None else ns.score_thresh) if has_threshold else None
+    if ns.size_divisibility is not None:
+        if not hasattr(task, "set_size_divisibility"):
+            raise ValueError(f"--size_divisibility does not apply to a {type(task).__name__} checkpoint")
+        task.set_size_divisibility(ns.size_divisibility)
 
     dataset = PredictImages(files, task.predict_transform(**given))
     loader = DataLoader(dataset, batch_size=ns.batch_size, num_workers=ns.num_workers, collate_fn=collate_predict)
@@ -367,6 +374,8 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
     info: dict[str, Any] = {"checkpoint": str(Path(ns.ckpt_path).expanduser().resolve()), "predict_path": ns.predict_path}
     if score_thresh is not None:
         info["score_thresh"] = score_thresh
+    if ns.size_divisibility is not None:
+        info["size_divisibility"] = ns.size_divisibility
     info["preprocessing"] = {k: v for k, v in (task.datamodule_hparams or {}).items()
                              if k in ("test_scale", "max_size", "scale", "eval_scale")} | given
     writer = PredictionWriter(out_dir, info)

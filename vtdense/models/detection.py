@@ -39,7 +39,9 @@ __all__ = [
     "BackboneWithFPN",
     "Float32AnchorGenerator",
     "build_detector",
+    "check_size_divisibility",
     "list_heads",
+    "set_size_divisibility",
 ]
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
@@ -348,6 +350,7 @@ def build_detector(
     image_mean: Sequence[float] = IMAGENET_MEAN,
     image_std: Sequence[float] = IMAGENET_STD,
     head_kwargs: dict[str, Any] | None = None,
+    size_divisibility: int | None = None,
 ) -> nn.Module:
     """Build a torchvision detector on a vtdense backbone with an FPN.
 
@@ -378,6 +381,11 @@ def build_detector(
         image_std: normalisation std.
         head_kwargs: extra keyword arguments for the torchvision detector class
             (e.g. ``rpn_post_nms_top_n_test``, ``nms_thresh``).
+        size_divisibility: batches are zero-padded to a multiple of this (height and width);
+            ``None``: the backbone's own ``size_divisibility`` (32 for Swin and MViTv2). A coarser
+            grid (64, 128) bounds the number of distinct batch shapes, so per-shape set-up (cuDNN
+            plans, ``torch.compile`` graphs) is paid fewer times, at the cost of more padded pixels.
+            It must be a multiple of the backbone's.
 
     Returns:
         The torchvision detector; ``model.backbone`` is a :class:`BackboneWithFPN` and
@@ -423,8 +431,36 @@ def build_detector(
         score_thresh=score_thresh,
     )
     model = builder(neck, num_classes, opts, dict(head_kwargs or {}))
-    model.transform = NoResizeTransform(image_mean, image_std, size_divisible=neck.size_divisibility)
+    pad = check_size_divisibility(size_divisibility, neck.size_divisibility)
+    model.transform = NoResizeTransform(image_mean, image_std, size_divisible=pad)
     return model
+
+
+def check_size_divisibility(value: Any, base: int) -> int:
+    """``value`` as the padding multiple of a detector whose backbone needs multiples of ``base``.
+
+    Returns:
+        ``base`` when ``value`` is ``None``, else ``value``.
+
+    Raises:
+        ValueError: ``value`` is not a positive multiple of ``base`` (names the option).
+    """
+    if value is None:
+        return int(base)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value % base:
+        raise ValueError(
+            f"size_divisibility={value!r}: must be a positive multiple of the backbone's size_divisibility ({base}), "
+            f"e.g. {base}, {2 * base} or {4 * base}"
+        )
+    return int(value)
+
+
+def set_size_divisibility(model: nn.Module, value: int | None) -> int:
+    """Pad the batches of a detector from :func:`build_detector` to multiples of ``value``
+    (``None``: the backbone's own); returns the multiple now in use."""
+    pad = check_size_divisibility(value, model.backbone.size_divisibility)
+    model.transform.size_divisible = pad
+    return pad
 
 
 def _import_backbones() -> None:

@@ -38,7 +38,7 @@ from torchmetrics.detection import MeanAveragePrecision
 from torchvision.ops import box_convert
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
-from vtdense.models.detection import HEADS, build_detector, list_heads
+from vtdense.models.detection import HEADS, build_detector, list_heads, set_size_divisibility
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import apply_layer_decay, param_groups, warmup_schedule
 
@@ -170,6 +170,7 @@ class DetectionTask(BaseTask):
         vis_score_thresh: float = 0.5,
         nonfinite_loss: str = "error",
         checkpoint_every_n_steps: int | None = None,
+        size_divisibility: int | None = None,
     ) -> None:
         """Initialise the task.
 
@@ -211,6 +212,11 @@ class DetectionTask(BaseTask):
                 or ``"skip"``s the optimiser step (counted in ``train/nonfinite_skipped``).
             checkpoint_every_n_steps: also write ``last.ckpt`` every this many optimiser steps
                 (mid-epoch; ``--ckpt_path last`` resumes there exactly).
+            size_divisibility: pad each batch to a multiple of this (``None``: the backbone's, 32).
+                A coarser grid (e.g. 128) bounds the distinct batch shapes of multi-scale training
+                and of prediction on images of any size, so per-shape set-up (cuDNN plans,
+                compiled graphs) is paid a few dozen times instead of hundreds, for more padded
+                pixels; ``benchmarks/padding.py`` measures both. Must be a multiple of the backbone's.
 
         Raises:
             ValueError: an unknown choice (the message names the option and lists the choices).
@@ -242,6 +248,10 @@ class DetectionTask(BaseTask):
             raise ValueError(f"num_classes must be >= 1 (background excluded), got {num_classes}")
         if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"layer_decay must be in (0, 1] (option 'layer_decay'), got {layer_decay}")
+        if size_divisibility is not None and (
+            isinstance(size_divisibility, bool) or not isinstance(size_divisibility, int) or size_divisibility < 1
+        ):
+            raise ValueError(f"size_divisibility must be a positive int (option 'size_divisibility'), got {size_divisibility!r}")
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         self.save_hyperparameters()
         self.label_to_category_id: dict[int, int] = {}
@@ -279,6 +289,7 @@ class DetectionTask(BaseTask):
             detections_per_img=hp["detections_per_img"],
             score_thresh=hp["score_thresh"],
             head_kwargs=hp["head_kwargs"],
+            size_divisibility=hp.get("size_divisibility"),
         )
 
     def configure_metrics(self) -> None:
@@ -651,6 +662,18 @@ class DetectionTask(BaseTask):
         scale = test_scale if test_scale is not None else dm.get("test_scale", DEFAULT_TEST_SCALE)
         size = max_size if max_size is not None else dm.get("max_size", DEFAULT_MAX_SIZE)
         return detection_predict_transform(int(scale), None if size is None else int(size))
+
+    def set_size_divisibility(self, value: int | None) -> int:
+        """Pad batches to multiples of ``value`` from now on (``None``: the backbone's own, 32), e.g.
+        a coarser grid for prediction on images of many sizes. Also recorded in the hyperparameters,
+        so a checkpoint saved afterwards keeps it. Returns the multiple in use.
+
+        Raises:
+            ValueError: not a positive multiple of the backbone's ``size_divisibility``.
+        """
+        pad = set_size_divisibility(self._detector, value)
+        self.hparams["size_divisibility"] = value
+        return pad
 
     @contextlib.contextmanager
     def score_threshold(self, score_thresh: float | None) -> Iterator[None]:

@@ -1,0 +1,214 @@
+"""Padding grids for detection batches: distinct shapes per epoch, padded pixels, and the cost of a
+new shape on this device.
+
+Multi-scale training (short side drawn from ``train_scales`` per image, long side capped) pads every
+batch to its largest image, rounded up to ``size_divisibility``. Every distinct padded shape costs a
+one-off set-up the first time a process meets it: cuDNN plans on a GPU (measured 0.45 s per shape
+on an H100 for the published Swin-T Mask R-CNN), oneDNN primitives on the CPU, a graph under
+``torch.compile``. A coarser grid bounds the shapes and pads more pixels. This module measures
+both sides of that trade:
+
+- :func:`epoch_shapes` walks one epoch of vtdense's own training batch plan
+  (:class:`~vtdense.data.samplers.GroupedBatchSampler` with aspect-ratio groups, as the published
+  recipe) and counts the distinct padded shapes per process, and the padded pixels relative to the
+  32-pixel grid;
+- :func:`new_shape_cost` times a training step the first time a shape is seen and again at the
+  same shape, for the demo detector (CPU) or the published one (GPU).
+
+Image sizes come from a COCO annotation file (``--ann-file``) or, without one, from a stand-in for
+COCO's sizes (long side 640, short side 360..640, two thirds landscape). Run alone::
+
+    python benchmarks/padding.py --device cpu [--ann-file instances_train2017.json]
+
+``benchmarks/run.py`` runs it as the last section of ``make bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Any, Sequence
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from vtdense.data.samplers import EpochRandomSampler, GroupedBatchSampler, aspect_ratio_group_ids  # noqa: E402
+from vtdense.data.transforms import shortest_edge_size  # noqa: E402
+
+GRIDS = (32, 64, 128)
+#: The published recipe's multi-scale training (recipes/configs/coco_swin_t_maskrcnn_1x.yaml).
+PUBLISHED = dict(scales=tuple(range(480, 801, 32)), max_size=1333, test_scale=800, batch_size=2, world=8)
+#: The CPU demo's (recipes/configs/coco_swin_demo.yaml).
+DEMO = dict(scales=(112, 128, 144), max_size=256, test_scale=128, batch_size=4, world=1)
+
+
+def coco_like_sizes(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """``n`` ``(height, width)`` pairs standing in for COCO's: long side 640, short side uniform in
+    360..640, two thirds landscape. Use :func:`sizes_from_annotations` for the real distribution."""
+    rng = random.Random(seed)
+    sizes = []
+    for _ in range(n):
+        short = rng.randint(360, 640)
+        sizes.append((short, 640) if rng.random() < 2 / 3 else (640, short))
+    return sizes
+
+
+def sizes_from_annotations(path: str) -> list[tuple[int, int]]:
+    """``(height, width)`` of every image of a COCO annotation file."""
+    with open(path) as f:
+        images = json.load(f)["images"]
+    return [(int(im["height"]), int(im["width"])) for im in images]
+
+
+def padded(h: int, w: int, grid: int) -> tuple[int, int]:
+    """``(h, w)`` rounded up to multiples of ``grid``."""
+    return math.ceil(h / grid) * grid, math.ceil(w / grid) * grid
+
+
+def epoch_shapes(
+    sizes: Sequence[tuple[int, int]],
+    scales: Sequence[int],
+    max_size: int,
+    batch_size: int,
+    grids: Sequence[int] = GRIDS,
+    world: int = 1,
+    seed: int = 0,
+) -> dict[int, dict[str, float]]:
+    """One training epoch's padded batch shapes at every grid, with the same batches and scales.
+
+    Returns:
+        ``{grid: {"shapes": distinct shapes over the epoch, "shapes_per_rank": the most any of
+        ``world`` processes meets (its batches ``r, r + world, ...``), "pad_fraction": padded pixels
+        / image pixels, "pixels_vs_32": pixels computed relative to the 32-pixel grid}}``.
+    """
+    rng = random.Random(seed)
+    sampler = GroupedBatchSampler(
+        EpochRandomSampler(range(len(sizes)), seed=seed), batch_size, group_ids=aspect_ratio_group_ids(sizes)
+    )
+    batches = [[shortest_edge_size(*sizes[i], rng.choice(scales), max_size) for i in b] for b in sampler]
+    content = sum(h * w for b in batches for h, w in b)
+    out: dict[int, dict[str, float]] = {}
+    for grid in grids:
+        shapes = [padded(max(h for h, _ in b), max(w for _, w in b), grid) for b in batches]
+        pixels = sum(len(b) * sh * sw for b, (sh, sw) in zip(batches, shapes))
+        per_rank = max(len(set(shapes[r::world])) for r in range(world))
+        out[grid] = dict(shapes=len(set(shapes)), shapes_per_rank=per_rank, pad_fraction=pixels / content - 1,
+                         pixels=pixels)
+    base = out[32]["pixels"] if 32 in out else content
+    for grid in grids:
+        out[grid]["pixels_vs_32"] = out[grid].pop("pixels") / base
+    return out
+
+
+def eval_shapes(sizes: Sequence[tuple[int, int]], test_scale: int, max_size: int,
+                grids: Sequence[int] = GRIDS) -> dict[int, int]:
+    """Distinct padded shapes of single-image evaluation (or prediction) at every grid."""
+    resized = [shortest_edge_size(h, w, test_scale, max_size) for h, w in sizes]
+    return {g: len({padded(h, w, g) for h, w in resized}) for g in grids}
+
+
+def new_shape_cost(device: str, published: bool, shapes: Sequence[tuple[int, int]], batch: int) -> dict[str, float]:
+    """Median seconds of a detector training step (AdamW) at a shape seen for the first time, and
+    at the same shape again; ``published``: the published Swin-T Mask R-CNN heads, else the demo's."""
+    from contenders import _autocast, _detection_batch, build_model
+
+    family = "maskrcnn" if published else "maskrcnn_demo"
+    case: dict[str, Any] = dict(family=family, mode="train", batch=batch, size=list(shapes[0]),
+                                dtype="bf16" if device == "cuda" else "fp32")
+    torch.manual_seed(0)
+    model = build_model("vtdense", case).to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    num_classes = 80 if published else 4
+
+    def step(size: tuple[int, int]) -> float:
+        images, targets = _detection_batch(dict(case, size=list(size)), device, num_classes)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with _autocast(case, device):
+            losses = model(images, targets)
+        sum(losses.values()).backward()
+        opt.step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    # Warm up the process (allocator, first-call costs) at a shape not measured.
+    warm = (shapes[0][0] + 64, shapes[0][1] + 64)
+    step(warm)
+    step(warm)
+    first, again = [], []
+    for size in shapes[1:]:
+        first.append(step(size))
+        again.append(step(size))
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return dict(first_s=med(first), again_s=med(again), new_shape_s=med([a - b for a, b in zip(first, again)]),
+                measured_shapes=len(first))
+
+
+def run(device: str = "cpu", ann_file: str | None = None, n_images: int = 20000, cost_shapes: int = 5) -> dict[str, Any]:
+    """Shape counts for the published and demo recipes, and the new-shape cost on ``device``."""
+    sizes = sizes_from_annotations(ann_file) if ann_file else coco_like_sizes(n_images)
+    report: dict[str, Any] = dict(device=device, images=len(sizes),
+                                  sizes="annotation file" if ann_file else "COCO-like stand-in (long side 640)")
+    for name, cfg in (("published", PUBLISHED), ("demo", DEMO)):
+        train = epoch_shapes(sizes, cfg["scales"], cfg["max_size"], cfg["batch_size"], world=cfg["world"])
+        report[name] = dict(cfg, scales=list(cfg["scales"]), train=train,
+                            eval=eval_shapes(sizes, cfg["test_scale"], cfg["max_size"]))
+    published = device == "cuda"
+    cfg = PUBLISHED if published else DEMO
+    rng = random.Random(1)
+    measure = [shortest_edge_size(*sizes[rng.randrange(len(sizes))], rng.choice(cfg["scales"]), cfg["max_size"])
+               for _ in range(cost_shapes + 1)]
+    seen, shapes = set(), []
+    for h, w in measure:  # distinct 32-grid shapes, so every "first" is a first
+        key = padded(h, w, 32)
+        if key not in seen:
+            seen.add(key)
+            shapes.append(key)
+    report["cost"] = dict(new_shape_cost(device, published, shapes, cfg["batch_size"]),
+                          detector="published Swin-T Mask R-CNN, bf16" if published else "CPU demo Mask R-CNN, fp32",
+                          batch=cfg["batch_size"])
+    return report
+
+
+def markdown(report: dict[str, Any]) -> list[str]:
+    """The report as Markdown lines (a section of RESULTS.md)."""
+    lines = [f"### Padding grid: batch shapes per epoch ({report['images']} images, {report['sizes']})", "",
+             "| recipe | grid | train shapes / epoch | per process | padded pixels | pixels vs grid 32 | eval shapes |",
+             "|---|---|---|---|---|---|---|"]
+    for name in ("published", "demo"):
+        r = report[name]
+        for grid, t in r["train"].items():
+            lines.append(f"| {name} (batch {r['batch_size']} x {r['world']} processes) | {grid} | {t['shapes']} | "
+                         f"{t['shapes_per_rank']} | {100 * t['pad_fraction']:.1f}% | {t['pixels_vs_32']:.3f}x | "
+                         f"{r['eval'][grid]} |")
+    c = report["cost"]
+    lines += ["", f"A training step of the {c['detector']} (batch {c['batch']}) on {report['device']}: "
+              f"{c['first_s'] * 1000:.0f} ms the first time a shape is seen, {c['again_s'] * 1000:.0f} ms again "
+              f"(median of {c['measured_shapes']} shapes): {c['new_shape_s'] * 1000:.0f} ms per new shape. "
+              "A run pays that once per shape and process; the coarser grid pays its extra pixels at every step."]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--ann-file", default=None, help="COCO annotation file whose image sizes to use")
+    ap.add_argument("--images", type=int, default=20000, help="stand-in images when no --ann-file (default 20000)")
+    args = ap.parse_args(argv)
+    report = run(args.device, args.ann_file, args.images)
+    print("\n".join(markdown(report)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
