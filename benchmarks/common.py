@@ -186,6 +186,22 @@ def isolated_peak_rss(make_step: Callable[..., Callable[[], object]], args: tupl
         return pool.apply(_peak_rss_worker, (make_step, args, threads))
 
 
+def cpu_tensor_peak(step: Callable[[], object]) -> float:
+    """Peak tensor memory (MiB) one call of ``step`` allocates, from the profiler's memory timeline.
+
+    The CPU counterpart of ``max_memory_allocated``: it counts tensors (activations, saved tensors,
+    gradients, temporaries), not what the C allocator keeps mapped after a free, which peak RSS
+    includes. Call ``step`` once before (caches built). Slow: it records shapes and stacks.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        step()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return max(sum(s) for s in sizes) / 2**20
+
+
 def cuda_peak(step: Callable[[], object]) -> float:
     """Peak GPU memory (MiB) one call allocates above what was allocated before it."""
     _trim()

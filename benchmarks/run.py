@@ -44,7 +44,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from common import count_flops, cuda_peak, environment, interleaved_times, isolated_peak_rss, matmul_peak, median  # noqa: E402
+from common import count_flops, cpu_tensor_peak, cuda_peak, environment, interleaved_times, isolated_peak_rss, matmul_peak, median  # noqa: E402
 from contenders import FAMILIES, build_model, features, make_step  # noqa: E402
 
 import attention_kernels  # noqa: E402
@@ -222,6 +222,12 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
                 memory[k] = isolated_peak_rss(make_step, (k, case, device), torch.get_num_threads())
             else:
                 memory[k] = cuda_peak(steps[k])
+    tensor_memory: dict[str, float] = {}
+    if getattr(args, "tensor_memory", False) and device == "cpu" and case["mode"] == "train":
+        for k in steps:
+            if not k.endswith("compiled"):
+                tensor_memory[k] = cpu_tensor_peak(steps[k])
+                print(f"   {k}: tensor peak {tensor_memory[k]:.0f} MiB", flush=True)
     diff = None
     if case.get("parity") and "timm" in steps and "vtdense" in steps:
         diff = parity(case, device)
@@ -233,7 +239,8 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
     for k in steps:
         m = med[k]
         row = dict(contender=k, median_ms=m, min_ms=min(times[k]), max_ms=max(times[k]), times_ms=times[k],
-                   images_per_s=case["batch"] / (m / 1e3), flops=flops.get(k), memory_mib=memory.get(k))
+                   images_per_s=case["batch"] / (m / 1e3), flops=flops.get(k), memory_mib=memory.get(k),
+                   tensor_memory_mib=tensor_memory.get(k))
         f = flops.get(k)
         row["gflops_per_s"] = f / (m / 1e3) / 1e9 if f is not None and not math.isnan(f) else None
         row["pct_of_peak"] = 100 * row["gflops_per_s"] * 1e9 / peak_flops if row["gflops_per_s"] else None
@@ -241,6 +248,8 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
             row["vs_best_peer"] = med[best] / m
             if memory.get(k) and memory.get(best):
                 row["memory_vs_best_peer"] = memory[k] / memory[best]
+            if tensor_memory.get(k) and tensor_memory.get(best):
+                row["tensor_memory_vs_best_peer"] = tensor_memory[k] / tensor_memory[best]
         rows.append(row)
         print(f"   {k:22s} {m:9.1f} ms  (min {min(times[k]):.1f}, max {max(times[k]):.1f})"
               + (f"  x{row['vs_best_peer']:.2f} vs {best}" if "vs_best_peer" in row else "")
@@ -284,6 +293,15 @@ def markdown(report: dict[str, Any]) -> str:
             )
         for k, e in case["errors"].items():
             lines.append(f"| {case['name']} | {k} | failed: {e} | | | | | | | |")
+    tensor = [f"{c['name']}: " + ", ".join(
+        f"{r['contender']} {r['tensor_memory_mib']:.0f} MiB"
+        + (f" ({r['tensor_memory_vs_best_peer']:.2f}x the best peer)" if r.get("tensor_memory_vs_best_peer") else "")
+        for r in c["rows"] if r.get("tensor_memory_mib")) for c in report["cases"]
+        if any(r.get("tensor_memory_mib") for r in c["rows"])]
+    if tensor:
+        lines += ["", "Tensor-level peak of one step (`--tensor-memory`: the profiler's memory timeline, the CPU "
+                  "counterpart of `max_memory_allocated`; peak RSS also counts what glibc keeps mapped after frees): "
+                  + "; ".join(tensor) + "."]
     diffs = [(c["name"], c["parity_max_abs_diff"]) for c in report["cases"] if c.get("parity_max_abs_diff") is not None]
     if diffs:
         lines += ["", "Parity on the same weights (timm's, random), batch 1, fp32: "
@@ -357,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="run vtdense compiled on the CPU too (off by default there: compiling Swin-T takes minutes on 2 cores)")
     ap.add_argument("--no-memory", action="store_true", help="skip the peak memory measurement")
+    ap.add_argument("--tensor-memory", action="store_true",
+                    help="CPU training cases: also the tensor-level peak from the profiler's memory timeline (slow)")
     ap.add_argument("--no-extras", action="store_true",
                     help="skip the recipe end-to-end and padding-grid sections (run in the default and full tiers)")
     ap.add_argument("--budget", type=float, default=0,
