@@ -302,6 +302,10 @@ class PatchEmbed(nn.Module):
         p = self.patch_size
         if x.shape[2] % p or x.shape[3] % p:
             x = F.pad(x, (0, -x.shape[3] % p, 0, -x.shape[2] % p))
+        if x.device.type == "cpu":
+            # Channels-last conv on the CPU: faster (10.7 -> 7.5 ms for 8 images at 224, conversion
+            # included), and its output permuted to (B, H, W, C) is already contiguous for the norm.
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.norm(self.proj(x).permute(0, 2, 3, 1))
 
 
