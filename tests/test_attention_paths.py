@@ -136,3 +136,31 @@ def test_mask_blocks_regions_and_padding() -> None:
     assert m.shape == (4, 16, 16) and not m[0].any() and m[3].any()
     p = window_attention_mask(6, 8, (4, 4), (0, 0))  # two padded rows in the lower windows
     assert not p[0].any() and p[2][:, 8:].all() and not p[2][:, :8].any()
+
+
+@pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny", "mvitv2_tiny", "mvitv2_tiny-windows"])
+def test_inference_runs_sdpa_fused_kernel_in_every_attention_call(name: str) -> None:
+    """The profiler sees SDPA's fused CPU kernel in every attention call of inference, fp32 and bf16
+    autocast, masked / shifted / padded blocks included, and never SDPA's math fallback (what
+    ``benchmarks/attention_kernels.py`` reports for full-size models)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from attention_kernels import classify, kernel_counts
+
+    mvit = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, drop_path_rate=0.0)
+    kwargs = {"swin_tiny": TINY_SWIN, "swinv2_tiny": TINY_SWIN, "mvitv2_tiny": mvit,
+              "mvitv2_tiny-windows": dict(mvit, window_size=8)}[name]
+    model = vtdense.create_backbone(name.split("-")[0], **kwargs).eval()
+    calls = sum(kwargs["depths"])
+    x = torch.randn(2, 3, 96, 160)  # stage maps 24x40 .. 3x5: padded windows and shifted-window masks
+    for dtype in (torch.float32, torch.bfloat16):
+        def infer() -> None:
+            with torch.inference_mode(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                model(x)
+
+        infer()
+        counts = kernel_counts(infer, "cpu")
+        assert {classify(k) for k in counts} == {"fused"}, (dtype, counts)
+        assert sum(counts.values()) == calls, (dtype, counts)
