@@ -52,7 +52,7 @@ import padding  # noqa: E402
 import recipe_speed  # noqa: E402
 
 TIERS = {"quick": 0, "default": 1, "full": 2}
-#: seconds kept back for the sections after the cases (recipe end to end, padding grid), per device
+#: seconds kept back for the sections after the cases (recipe end to end, padding grid, attention kernels), per device
 EXTRAS_SECONDS = {"cpu": {"recipe": 60.0, "padding": 30.0, "attention": 30.0},
                   "cuda": {"recipe": 150.0, "padding": 60.0, "attention": 30.0}}
 RECIPE_STEPS = {"cpu": 40, "cuda": 200}
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-memory", action="store_true",
                     help="CPU training cases: also the tensor-level peak from the profiler's memory timeline (slow)")
     ap.add_argument("--no-extras", action="store_true",
-                    help="skip the recipe end-to-end and padding-grid sections (run in the default and full tiers)")
+                    help="skip the recipe end-to-end, padding-grid and attention-kernel sections (run in the default and full tiers)")
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds for the whole run (0: no limit): cases get fewer repeats, then no memory pass, "
                     "then are left out (and listed) when the time left cannot hold them")
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(case["name"])
             continue
         selected.append(case)
-    # The recipe and padding sections run after the cases; their time is kept back from the cases' budget.
+    # The three sections run after the cases; their time is kept back from the cases' budget.
     run_extras = args.tier != "quick" and not args.only and not args.no_extras
     extras_s = sum(EXTRAS_SECONDS[args.device].values()) if run_extras else 0.0
     args.deadline = t0 + args.budget - extras_s if args.budget else None
