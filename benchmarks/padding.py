@@ -117,6 +117,7 @@ def eval_shapes(sizes: Sequence[tuple[int, int]], test_scale: int, max_size: int
 def new_shape_cost(device: str, published: bool, shapes: Sequence[tuple[int, int]], batch: int) -> dict[str, float]:
     """Median seconds of a detector training step (AdamW) at a shape seen for the first time, and
     at the same shape again; ``published``: the published Swin-T Mask R-CNN heads, else the demo's."""
+    from common import sync
     from contenders import _autocast, _detection_batch, build_model
 
     family = "maskrcnn" if published else "maskrcnn_demo"
@@ -129,16 +130,14 @@ def new_shape_cost(device: str, published: bool, shapes: Sequence[tuple[int, int
 
     def step(size: tuple[int, int]) -> float:
         images, targets = _detection_batch(dict(case, size=list(size)), device, num_classes)
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         t = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         with _autocast(case, device):
             losses = model(images, targets)
         sum(losses.values()).backward()
         opt.step()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         return time.perf_counter() - t
 
     # Warm up the process (allocator, first-call costs) at a shape not measured.

@@ -33,11 +33,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RECIPE = os.path.join(ROOT, "recipes", "coco_swin.py")
+sys.path.insert(0, HERE)
 
-
-def _sync(module: LightningModule) -> None:
-    if module.device.type == "cuda":
-        torch.cuda.synchronize(module.device)
+from common import sync  # noqa: E402
 
 
 class StepTimer(Callback):
@@ -59,12 +57,12 @@ class StepTimer(Callback):
         self.last: list[Any] = []
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        _sync(pl_module)
+        sync(str(pl_module.device))
         self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        _sync(pl_module)
+        sync(str(pl_module.device))
         self.ends.append(time.perf_counter())
         self.images.append(len(batch[0]))
         self.last = (self.last + [batch])[-self.isolated_batches:]
@@ -79,14 +77,14 @@ class StepTimer(Callback):
             total, images_seen = 0.0, 0
             for images, targets in self.last:
                 train_targets = [pl_module._train_target(t) for t in targets]
-                _sync(pl_module)
+                sync(str(pl_module.device))
                 t = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 with trainer.precision_plugin.train_step_context():
                     losses = pl_module(list(images), train_targets)
                 sum(losses.values()).backward()
                 opt.step()
-                _sync(pl_module)
+                sync(str(pl_module.device))
                 total += time.perf_counter() - t
                 images_seen += len(images)
             if i >= 1:
