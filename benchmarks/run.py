@@ -18,10 +18,11 @@ call per contender. The report gives
   (:func:`common.isolated_peak_rss`), on a GPU ``max_memory_allocated`` above the model's own;
 - for backbones at window-multiple sizes, vtdense's max abs difference to timm on the same weights.
 
-The default and full tiers end with three sections: the attention kernel every attention call
+The default and full tiers end with four sections: the attention kernel every attention call
 runs, from the profiler (:mod:`attention_kernels`: fused or SDPA's math fallback); the detection
-recipe run end to end against its isolated step (:mod:`recipe_speed`); and the batch shapes per
-epoch at each padding grid with the cost of a new shape (:mod:`padding`).
+recipe run end to end against its isolated step (:mod:`recipe_speed`); the batch shapes per
+epoch at each padding grid with the cost of a new shape (:mod:`padding`); and the detectors'
+AdamW step in torch's three implementations (:mod:`optimizer_step`).
 
 Results go to ``benchmarks/results-<device>.json`` and to the ``<device>`` section of
 ``benchmarks/RESULTS.md`` (other sections are kept). On a shared machine compare only ratios of the
@@ -45,16 +46,18 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from common import count_flops, cpu_tensor_peak, cuda_peak, environment, interleaved_times, isolated_peak_rss, matmul_peak, median  # noqa: E402
-from contenders import FAMILIES, build_model, features, make_step  # noqa: E402
+from contenders import build_model, features, make_step  # noqa: E402
 
 import attention_kernels  # noqa: E402
+import optimizer_step  # noqa: E402
 import padding  # noqa: E402
 import recipe_speed  # noqa: E402
 
 TIERS = {"quick": 0, "default": 1, "full": 2}
-#: seconds kept back for the sections after the cases (recipe end to end, padding grid, attention kernels), per device
-EXTRAS_SECONDS = {"cpu": {"recipe": 60.0, "padding": 30.0, "attention": 30.0},
-                  "cuda": {"recipe": 150.0, "padding": 60.0, "attention": 30.0}}
+#: seconds kept back for the sections after the cases (recipe end to end, padding grid, attention kernels,
+#: optimizer step), per device
+EXTRAS_SECONDS = {"cpu": {"recipe": 60.0, "padding": 30.0, "attention": 30.0, "optimizer": 20.0},
+                  "cuda": {"recipe": 150.0, "padding": 60.0, "attention": 30.0, "optimizer": 20.0}}
 RECIPE_STEPS = {"cpu": 40, "cuda": 200}
 SWIN_PEERS = ["timm", "timm fused", "torchvision"]
 
@@ -316,7 +319,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", f"Trimmed to fit the {report['budget_s']:.0f} s budget: " + "; ".join(trimmed) + "."]
     if report.get("left_out"):
         lines += ["", f"Left out, over the {report['budget_s']:.0f} s budget on this machine: {report['left_out']}."]
-    for name, section in (("attention", attention_kernels), ("recipe", recipe_speed), ("padding", padding)):
+    for name, section in (("attention", attention_kernels), ("recipe", recipe_speed), ("padding", padding),
+                          ("optimizer", optimizer_step)):
         extra = report.get("extras", {}).get(name)
         if isinstance(extra, dict):
             lines += [""] + section.markdown(extra)
@@ -378,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensor-memory", action="store_true",
                     help="CPU training cases: also the tensor-level peak from the profiler's memory timeline (slow)")
     ap.add_argument("--no-extras", action="store_true",
-                    help="skip the recipe end-to-end, padding-grid and attention-kernel sections (run in the default and full tiers)")
+                    help="skip the recipe end-to-end, padding-grid, attention-kernel and optimizer-step sections "
+                    "(run in the default and full tiers)")
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds for the whole run (0: no limit): cases get fewer repeats, then no memory pass, "
                     "then are left out (and listed) when the time left cannot hold them")
@@ -408,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(case["name"])
             continue
         selected.append(case)
-    # The three sections run after the cases; their time is kept back from the cases' budget.
+    # The four sections run after the cases; their time is kept back from the cases' budget.
     run_extras = args.tier != "quick" and not args.only and not args.no_extras
     extras_s = sum(EXTRAS_SECONDS[args.device].values()) if run_extras else 0.0
     args.deadline = t0 + args.budget - extras_s if args.budget else None
@@ -419,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, fn in (("recipe", lambda: recipe_speed.run(args.device, steps=RECIPE_STEPS[args.device])),
                          ("padding", lambda: padding.run(args.device)),
                          # bf16 where users train (GPU); fp32 on the CPU, where bf16 is not the use
-                         ("attention", lambda: attention_kernels.run(args.device, "bf16" if args.device == "cuda" else "fp32"))):
+                         ("attention", lambda: attention_kernels.run(args.device, "bf16" if args.device == "cuda" else "fp32")),
+                         ("optimizer", lambda: optimizer_step.run(args.device))):
             print(f"\n== {name} section", flush=True)
             try:
                 extras[name] = fn()

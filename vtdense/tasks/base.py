@@ -187,6 +187,29 @@ class BaseTask(LightningModule):
         for d in datasets:
             d.skip_file = self.run_dir / SKIP_REPORT_NAME
 
+    def on_train_start(self) -> None:
+        """After a resume, step with the AdamW implementation chosen for this run (see
+        :func:`vtdense.tasks.optim.adamw`), not the one the checkpoint was saved with.
+
+        ``torch.optim`` restores each group's ``fused`` flag from the checkpoint, while the
+        optimizer's amp handling (``_step_supports_amp_scaling``, read by Lightning and the grad
+        scaler) follows the choice made now: a checkpoint of a fused run resumed with clipping under
+        mixed precision, or an older unfused one resumed where fused applies, would mix the two.
+        """
+        for opt in self.trainer.optimizers:
+            if not isinstance(opt, torch.optim.AdamW) or "fused" not in opt.defaults:
+                continue
+            fused = bool(opt.defaults["fused"])
+            for group in opt.param_groups:
+                if bool(group.get("fused")) == fused:
+                    continue
+                group["fused"] = fused
+                if fused:  # the fused kernel keeps its step counts on the parameters' device
+                    for p in group["params"]:
+                        state = opt.state.get(p, {})
+                        if isinstance(state.get("step"), Tensor):
+                            state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
     def configure_callbacks(self) -> list[Callback]:
         """Checkpoints: the best by :attr:`monitor`, ``last.ckpt`` at each validation, every
         ``checkpoint_every_n_steps`` optimiser steps (if set) and on SIGTERM. None if the trainer

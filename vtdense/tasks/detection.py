@@ -40,7 +40,7 @@ from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
 from vtdense.models.detection import HEADS, build_detector, list_heads, set_size_divisibility
 from vtdense.tasks.base import BaseTask
-from vtdense.tasks.optim import apply_layer_decay, param_groups, warmup_schedule
+from vtdense.tasks.optim import adamw, apply_layer_decay, param_groups, warmup_schedule
 
 __all__ = ["DetectionTask", "LR_SCHEDULES", "METRIC_BACKENDS", "IOU_TYPES", "METRIC_NAMES"]
 
@@ -171,6 +171,7 @@ class DetectionTask(BaseTask):
         nonfinite_loss: str = "error",
         checkpoint_every_n_steps: int | None = None,
         size_divisibility: int | None = None,
+        fused_optimizer: bool | None = None,
     ) -> None:
         """Initialise the task.
 
@@ -217,6 +218,9 @@ class DetectionTask(BaseTask):
                 and of prediction on images of any size, so per-shape set-up (cuDNN plans,
                 compiled graphs) is paid a few dozen times instead of hundreds, for more padded
                 pixels; ``benchmarks/padding.py`` measures both. Must be a multiple of the backbone's.
+            fused_optimizer: torch's fused AdamW step (one kernel per chunk of parameters): ``None``
+                (auto) uses it on CPUs and GPUs unless gradient clipping under mixed precision or
+                fp16 loss scaling rule it out; ``True`` requires it; ``False`` keeps torch's default.
 
         Raises:
             ValueError: an unknown choice (the message names the option and lists the choices).
@@ -368,7 +372,9 @@ class DetectionTask(BaseTask):
         for group in groups:
             group["lr"] = hp["lr"] * group["lr_mult"]
             group.pop("param_names", None)
-        optimizer = torch.optim.AdamW(groups, lr=hp["lr"], weight_decay=hp["weight_decay"])
+        optimizer = adamw(
+            groups, fused=hp.get("fused_optimizer"), trainer=self._trainer, lr=hp["lr"], weight_decay=hp["weight_decay"]
+        )
 
         total = self.trainer.estimated_stepping_batches
         kind = LR_SCHEDULES[hp["lr_schedule"]]

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["NO_DECAY_KEYWORDS", "apply_layer_decay", "layer_ids", "param_groups", "warmup_schedule"]
+__all__ = [
+    "NO_DECAY_KEYWORDS",
+    "adamw",
+    "apply_layer_decay",
+    "fused_adamw_blocker",
+    "layer_ids",
+    "param_groups",
+    "warmup_schedule",
+]
 
 #: Parameter-name fragments that never get weight decay (position tables, logit scales, ...).
 NO_DECAY_KEYWORDS: tuple[str, ...] = (
@@ -166,3 +174,78 @@ def apply_layer_decay(groups: list[dict], backbone: nn.Module, prefix: str, deca
             sub["lr_mult"] = g.get("lr_mult", 1.0) * decay ** (top - lid)
             out.append(sub)
     return out
+
+
+#: Devices whose parameters torch's fused AdamW kernel is used for (one kernel per chunk of tensors).
+FUSED_ADAMW_DEVICES: tuple[str, ...] = ("cpu", "cuda")
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    # FSDP2 (fully_shard) shards parameters as DTensors, which the fused kernel steps shard by shard.
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(p, DTensor)
+
+
+def fused_adamw_blocker(params: Iterable[torch.Tensor], trainer: Any = None, *, auto: bool = True) -> str | None:
+    """Why torch's fused AdamW cannot (or, when ``auto``, should not) step ``params`` under
+    ``trainer``; ``None`` when it can.
+
+    - every parameter must be a floating-point tensor on one device in :data:`FUSED_ADAMW_DEVICES`:
+      a plain tensor, or a DTensor shard of FSDP2 (no other tensor subclasses);
+    - Lightning refuses gradient clipping with a fused optimizer under its ``MixedPrecision``
+      plugin (``bf16-mixed``, ``16-mixed``);
+    - with ``auto``, fp16 loss scaling also keeps the default optimizer: a fused step unscales the
+      gradients itself, so callbacks before the step would see scaled gradients.
+    """
+    devices = set()
+    for p in params:
+        if type(p) not in (torch.Tensor, nn.Parameter) and not _is_dtensor(p):
+            return f"parameters of type {type(p).__name__} (a tensor subclass)"
+        if not p.is_floating_point():
+            return f"a parameter of dtype {p.dtype}"
+        devices.add(p.device)
+    if len(devices) > 1:
+        return f"parameters on several devices ({', '.join(sorted(map(str, devices)))})"
+    if devices and next(iter(devices)).type not in FUSED_ADAMW_DEVICES:
+        return f"parameters on {next(iter(devices))} (fused AdamW is used on {', '.join(FUSED_ADAMW_DEVICES)})"
+    if trainer is None:
+        return None
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = getattr(trainer, "precision_plugin", None)
+    if isinstance(plugin, MixedPrecision) and trainer.gradient_clip_val:
+        return (
+            f"gradient clipping (trainer.gradient_clip_val={trainer.gradient_clip_val}) under "
+            f"precision={plugin.precision!r}: Lightning does not clip with a fused optimizer"
+        )
+    if auto and getattr(plugin, "scaler", None) is not None:
+        return "fp16 loss scaling"
+    return None
+
+
+def adamw(groups: list[dict], *, fused: bool | None = None, trainer: Any = None, **kwargs: Any) -> torch.optim.AdamW:
+    """``torch.optim.AdamW`` over ``groups``, with torch's fused kernel where it applies.
+
+    The fused step updates every parameter in a few kernels instead of several per parameter:
+    3.4x faster than the default for the published Swin-T Mask R-CNN's 219 tensors on the CPU
+    (``benchmarks/optimizer_step.py``), and it spares a GPU step hundreds of kernel launches.
+    Its results equal the default's to float rounding.
+
+    Args:
+        groups: parameter groups (dicts with ``params``; other keys as ``torch.optim.AdamW`` takes).
+        fused: ``None`` (auto): fused when :func:`fused_adamw_blocker` finds nothing against it;
+            ``True``: fused, or a ``ValueError`` naming the reason it cannot be; ``False``: torch's
+            default implementation (``foreach`` on GPUs, a loop over tensors on the CPU).
+        trainer: the Lightning trainer the optimiser steps under (precision plugin, clipping).
+        kwargs: ``lr``, ``betas``, ``weight_decay``, ... for ``torch.optim.AdamW``.
+    """
+    params = [p for g in groups for p in g["params"]]
+    reason = fused_adamw_blocker(params, trainer, auto=fused is None)
+    if fused and reason is not None:
+        raise ValueError(f"fused_optimizer=True cannot be used with {reason}; set fused_optimizer to null (auto) or false")
+    if fused is None:
+        fused = reason is None and bool(params)
+    return torch.optim.AdamW(groups, fused=fused, **kwargs)

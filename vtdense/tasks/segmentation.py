@@ -27,7 +27,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardInd
 
 from vtdense.models.segmentation import ARCHITECTURES, FCNHead, build_segmentor
 from vtdense.tasks.base import BaseTask
-from vtdense.tasks.optim import apply_layer_decay, layer_ids, param_groups, warmup_schedule
+from vtdense.tasks.optim import adamw, apply_layer_decay, layer_ids, param_groups, warmup_schedule
 
 __all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table", "resize_logits"]
 
@@ -95,6 +95,9 @@ class SegmentationTask(BaseTask):
         nonfinite_loss: a NaN/inf loss ``"error"``s (naming the term and the batch's files) or
             ``"skip"``s the optimiser step (counted in ``train/nonfinite_skipped``).
         checkpoint_every_n_steps: also write ``last.ckpt`` every this many optimiser steps.
+        fused_optimizer: torch's fused AdamW step: ``None`` (auto) uses it on CPUs and GPUs unless
+            gradient clipping under mixed precision or fp16 loss scaling rule it out; ``True``
+            requires it; ``False`` keeps torch's default.
     """
 
     monitor = "val/mIoU"
@@ -130,6 +133,7 @@ class SegmentationTask(BaseTask):
         num_vis: int = 4,
         nonfinite_loss: str = "error",
         checkpoint_every_n_steps: int | None = None,
+        fused_optimizer: bool | None = None,
     ) -> None:
         super().__init__()
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
@@ -295,7 +299,10 @@ class SegmentationTask(BaseTask):
             groups = apply_layer_decay(groups, self.model.encoder.backbone, _BACKBONE_PREFIX, h.layer_decay)
         for g in groups:
             g["lr"] = h.lr * g.get("lr_mult", 1.0)
-        optimizer = torch.optim.AdamW(groups, lr=h.lr, betas=tuple(h.betas), weight_decay=h.weight_decay)
+        optimizer = adamw(
+            groups, fused=h.get("fused_optimizer"), trainer=self._trainer, lr=h.lr, betas=tuple(h.betas),
+            weight_decay=h.weight_decay,
+        )
         total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
         total = max(total, 1)
 
