@@ -43,6 +43,36 @@ def test_fused_mlp_gradients_equal_plain_autograd(dtype: torch.dtype | None) -> 
     assert fused[0].dtype == (dtype or torch.float32) and fused[1].dtype == torch.float32
 
 
+def test_fused_mlp_casts_each_weight_once_under_autocast() -> None:
+    """Under bf16 autocast the fused paths keep the forward's cast of ``fc1`` / ``fc2`` for the
+    backward, as plain autograd keeps autocast's: the backward casts no weight again."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WeightCasts(TorchDispatchMode):
+        def __init__(self, weights: set[int]) -> None:
+            super().__init__()
+            self.weights, self.n = weights, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.weights:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    mlp, norm = Mlp(24, 96), torch.nn.LayerNorm(24)
+    weights = {mlp.fc1.weight.untyped_storage().data_ptr(), mlp.fc2.weight.untyped_storage().data_ptr()}
+    counts = []
+    for fused in (True, False):
+        x = torch.randn(2, 7, 24, requires_grad=True)
+        forward, backward = WeightCasts(weights), WeightCasts(weights)
+        with forward, torch.autocast("cpu", dtype=torch.bfloat16):
+            y = mlp(x, norm=norm) if fused else mlp.fc2(F.gelu(mlp.fc1(norm(x))))
+        with backward:
+            y.float().sum().backward()
+        counts.append((forward.n, backward.n))
+    assert counts == [(2, 0), (2, 0)], counts  # fused, plain
+
+
 def _saved_mib(model: torch.nn.Module, x: torch.Tensor) -> float:
     """MiB of the distinct activation storages autograd keeps for the backward pass of
     ``model(x)`` (the parameters it also references are not counted: they exist anyway)."""

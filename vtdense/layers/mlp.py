@@ -12,6 +12,15 @@ from torch import Tensor, nn
 __all__ = ["Mlp", "gelu_linear", "norm_linear"]
 
 
+def _compute_weight(weight: Tensor) -> Tensor:
+    """``weight`` in the dtype autocast runs its linear in: cast once in the forward and kept for
+    the backward (as plain autograd keeps autocast's cast), so the backward does not cast again."""
+    dev = weight.device.type
+    if dev in ("cpu", "cuda") and weight.dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        return weight.to(torch.get_autocast_dtype(dev))
+    return weight
+
+
 class _GeluLinear(torch.autograd.Function):
     """``linear(gelu(h), weight, bias)`` that keeps only ``h`` for the backward pass.
 
@@ -23,7 +32,9 @@ class _GeluLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        out = F.linear(F.gelu(h), weight, bias)  # autocast, if on, casts as for a plain linear
+        ctx.weight_dtype = weight.dtype
+        weight = _compute_weight(weight)
+        out = F.linear(F.gelu(h), weight, bias)  # autocast, if on, casts the rest as for a plain linear
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
         return out
@@ -39,9 +50,9 @@ class _GeluLinear(torch.autograd.Function):
             grad_h = torch.ops.aten.gelu_backward(grad_g.to(h.dtype), h)
         if ctx.needs_input_grad[1]:
             act = F.gelu(h).to(dtype)
-            grad_w = (g2.t() @ act.reshape(-1, act.shape[-1])).to(weight.dtype)
+            grad_w = (g2.t() @ act.reshape(-1, act.shape[-1])).to(ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.sum(0).to(weight.dtype)
+            grad_b = g2.sum(0).to(ctx.weight_dtype)
         return grad_h, grad_w, grad_b
 
 
@@ -60,6 +71,8 @@ class _NormLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, norm_w: Tensor | None, norm_b: Tensor | None, eps: float, weight: Tensor,
                 bias: Tensor | None) -> Tensor:
+        ctx.weight_dtype = weight.dtype
+        weight = _compute_weight(weight)
         out = F.linear(F.layer_norm(x, x.shape[-1:], norm_w, norm_b, eps), weight, bias)
         ctx.save_for_backward(x, norm_w, norm_b, weight)
         ctx.eps, ctx.has_bias = eps, bias is not None
@@ -80,8 +93,8 @@ class _NormLinear(torch.autograd.Function):
         wanted = [t for t, need in zip(leaves, ctx.needs_input_grad[:3]) if t is not None and need]
         found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype))) if wanted else iter(())
         grads_in = [next(found) if t is not None and need else None for t, need in zip(leaves, ctx.needs_input_grad[:3])]
-        grad_w = (g2.t() @ y.detach().to(dtype).reshape(-1, y.shape[-1])).to(weight.dtype) if ctx.needs_input_grad[4] else None
-        grad_b = g2.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[5] else None
+        grad_w = (g2.t() @ y.detach().to(dtype).reshape(-1, y.shape[-1])).to(ctx.weight_dtype) if ctx.needs_input_grad[4] else None
+        grad_b = g2.sum(0).to(ctx.weight_dtype) if ctx.has_bias and ctx.needs_input_grad[5] else None
         return grads_in[0], grads_in[1], grads_in[2], None, grad_w, grad_b
 
 
