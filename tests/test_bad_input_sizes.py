@@ -58,11 +58,15 @@ def check_detections(dets: list[dict[str, torch.Tensor]], sizes: list[tuple[int,
 
 # --------------------------------------------------------------------- smaller than the stride
 @pytest.mark.parametrize("backbone", sorted(TINY))
-@pytest.mark.parametrize("head", ["mask_rcnn", "fcos"])
-def test_images_smaller_than_the_stride_through_detectors(backbone: str, head: str) -> None:
+@pytest.mark.parametrize(("head", "fpn_channels"), [("mask_rcnn", 64), ("fcos", 64), ("fcos", 32)])
+def test_images_smaller_than_the_stride_through_detectors(backbone: str, head: str, fpn_channels: int) -> None:
     torch.manual_seed(0)
-    # fcos uses GroupNorm(32): 64 FPN channels keep two channels per group on P7's 1x1 map
-    model = build_detector(backbone, head, 2, fpn_channels=64, slim_heads=True, backbone_kwargs=TINY[backbone])
+    # fcos norms with GroupNorm: at 32 FPN channels vtdense keeps two channels per group, so P7's 1x1
+    # map (batch 1) is still defined
+    model = build_detector(backbone, head, 2, fpn_channels=fpn_channels, slim_heads=True, backbone_kwargs=TINY[backbone])
+    if head == "fcos":
+        norms = [m for m in model.head.modules() if isinstance(m, torch.nn.GroupNorm)]
+        assert norms and all(m.num_channels // m.num_groups == 2 for m in norms)  # 64: GroupNorm(32), 32: (16)
     sizes = [(8, 8), (1, 500)]
     for h, w in sizes:
         model.train()

@@ -309,7 +309,14 @@ def _fcos(neck: BackboneWithFPN, num_classes: int, opts: dict[str, Any], head_kw
     # FCOS derives its per-level regression ranges from the anchor size, which must be the stride.
     sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 1.0)
     anchor_gen = Float32AnchorGenerator(sizes=tuple((s,) for s in sizes), aspect_ratios=((1.0,),) * len(sizes))
-    return _dense(FCOS, anchor_gen, neck, num_classes, opts, head_kwargs)
+    model = _dense(FCOS, anchor_gen, neck, num_classes, opts, head_kwargs)
+    # torchvision's FCOS head norms with GroupNorm(32). At 32 FPN channels that is one channel per
+    # group, which normalises P7's 1x1 map (images up to 128 px) to a constant, and fails in training
+    # at batch 1; two channels per group keep it defined. The parameters are the same either way.
+    for m in model.head.modules():
+        if isinstance(m, nn.GroupNorm) and m.num_channels // m.num_groups < 2:
+            m.num_groups = max(1, m.num_channels // 2)
+    return model
 
 
 #: head name -> (FPN extra block, smallest backbone stride used, builder)
