@@ -70,7 +70,9 @@ class StepTimer(Callback):
     def _isolated(self, trainer: Trainer, pl_module: LightningModule) -> list[float]:
         """Seconds per image of each timed pass over the kept batches."""
         params = [p for p in pl_module.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-6)
+        # the AdamW implementation the run stepped with (fused where the task chose it)
+        fused = any(g.get("fused") for opt in trainer.optimizers for g in opt.param_groups)
+        opt = torch.optim.AdamW(params, lr=1e-6, fused=fused)
         pl_module.train()
         per_image = []
         for i in range(1 + self.isolated_repeats):
