@@ -230,7 +230,7 @@ def adamw(groups: list[dict], *, fused: bool | None = None, trainer: Any = None,
     """``torch.optim.AdamW`` over ``groups``, with torch's fused kernel where it applies.
 
     The fused step updates every parameter in a few kernels instead of several per parameter:
-    3.1x faster than the default for the published Swin-T Mask R-CNN's 219 tensors on the CPU
+    3.1-3.4x faster than the default for the published Swin-T Mask R-CNN's 219 tensors on the CPU
     (``benchmarks/optimizer_step.py``), and it spares a GPU step hundreds of kernel launches.
     Its results equal the default's to float rounding.
 
