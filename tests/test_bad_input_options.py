@@ -106,3 +106,30 @@ def test_mvitv2_num_heads_list_names_the_option() -> None:
 
     with pytest.raises(ValueError, match=r"MViTv2 num_heads is the head count of stage 1 .* got \[1, 2, 4, 8\]"):
         vtdense.create_backbone("mvitv2_tiny", num_heads=[1, 2, 4, 8])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--model.fused_optimizr", "true", "--data.batch_sise=3", "--bogus"],
+         "error: unrecognized arguments: --model.fused_optimizr true --data.batch_sise=3 --bogus; "
+         "did you mean --model.fused_optimizer, --data.batch_size?"),
+        (["--config={yaml}"],
+         "error: Group 'model' does not accept option 'fused_optimizr'; "
+         "did you mean 'fused_optimizer' (--model.fused_optimizer)?"),
+        (["--bogus"], "error: unrecognized arguments: --bogus"),
+    ],
+)
+def test_misspelt_option_gets_one_short_error_with_the_closest_name(
+        tmp_path: Path, argv: list[str], expected: str, capsys: pytest.CaptureFixture[str]) -> None:
+    config = tmp_path / "typo.yaml"
+    config.write_text("model:\n  fused_optimizr: true\n")
+    argv = [a.format(yaml=config) for a in argv] + [f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    with pytest.raises(SystemExit) as info:
+        _recipe().main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == expected, err[-2000:]
+    assert "usage:" not in err and len(err.strip().splitlines()) <= 3, err[-2000:]
+    assert "--help" in err  # where the valid options are listed
+    assert not (tmp_path / "run").exists()

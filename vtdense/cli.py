@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import inspect
 import json
 import math
@@ -27,7 +28,7 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from vtdense.tasks.base import atomic_write_bytes, resolve_run_dir
 
@@ -43,15 +44,59 @@ __all__ = [
 ]
 
 
+def _close_option(name: str, options: list[str]) -> str | None:
+    """The option in ``options`` that ``name`` most likely misspells, or ``None``."""
+    found = difflib.get_close_matches(name, options, n=1, cutoff=0.75)
+    return found[0] if found else None
+
+
+def suggest_option(message: str, parser: argparse.ArgumentParser) -> str:
+    """``message`` (a parser error) with ``; did you mean --x?`` added where it names an option that
+    does not exist and a known one is spelt almost the same (on the command line or in a YAML group)."""
+    options = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        guesses = [g for tok in unknown.group(1).split() if tok.startswith("--")
+                   for g in [_close_option(tok.split("=", 1)[0], options)] if g]
+        return message + (f"; did you mean {', '.join(guesses)}?" if guesses else "")
+    grouped = re.match(r"Group '([\w.]+)' does not accept option '([\w.]+)'", message)
+    if grouped:
+        prefix = f"--{grouped.group(1)}."
+        names = [o[len(prefix):] for o in options if o.startswith(prefix)]
+        guess = _close_option(grouped.group(2), names)
+        return message + (f"; did you mean '{guess}' ({prefix}{guess})?" if guess else "")
+    return message
+
+
+class _ShortErrorParser(LightningArgumentParser):
+    """A recipe's parser whose errors skip the usage (several screens of options for a recipe) and
+    say the closest option name instead (:func:`suggest_option`); ``--help`` still lists them all."""
+
+    _in_error = False
+
+    def error(self, message: str, ex: Exception | None = None):  # type: ignore[override]  # noqa: ANN201
+        self._in_error = True
+        try:
+            super().error(suggest_option(message, self), ex)
+        finally:
+            self._in_error = False
+
+    def print_usage(self, *args: Any, **kwargs: Any) -> None:
+        if not self._in_error:
+            super().print_usage(*args, **kwargs)
+
+
 class VtdenseCLI(LightningCLI):
     """LightningCLI with the defaults vtdense recipes share.
 
     The task owns its optimiser and schedule (``configure_optimizers``), so the CLI's automatic
     ``--optimizer`` / ``--lr_scheduler`` groups are turned off; the config written to the run
-    directory may be overwritten by a re-run in the same directory.
+    directory may be overwritten by a re-run in the same directory. A bad option gets a short error
+    that names it and the closest valid one, without the full usage.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", _ShortErrorParser)
         kwargs.setdefault("auto_configure_optimizers", False)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(*args, **kwargs)
