@@ -1,0 +1,195 @@
+"""The GPU checks of the performance issue that are not timings: attention paths and dynamic compile.
+
+On the device the tests never see (CI has no GPU), this answers:
+
+- **attention paths**: every path (``sdpa``, ``flex``) gives the ``math`` path's outputs, and
+  ``sdpa`` its parameter gradients, in fp32 (TF32 off; target 1e-5) for Swin V1, Swin V2 and
+  MViTv2 (global and hybrid windows); in bf16 autocast each path's output against fp32 ``math``
+  (the relative error bf16 itself brings, about 1e-2);
+- **dynamic compile**: ``torch.compile(backbone, dynamic=True)`` at two sizes, then five more
+  detection sizes: seconds per call (the first holds the compile; target under 2 minutes on a
+  GPU), Dynamo's graph and frame counts after the first two sizes and at the end (equal: no
+  recompilation) and the compiled output's max abs difference to eager.
+
+Usage::
+
+    python benchmarks/gpu_check.py --device cuda --compile-only swin_tiny --out check.json
+    python benchmarks/gpu_check.py --device cpu --tiny --compile-backend eager   # what the test runs
+
+``--tiny`` uses small configs and sizes (seconds on a CPU); without it the published ``*_tiny``
+models at detection sizes. Each check reports its own failure and the others still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from common import environment, randomize_, sync  # noqa: E402
+
+#: name -> (vtdense backbone, overrides); the tiny overrides keep a shifted, padded stage
+FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "swin_tiny": ("swin_tiny", {}, dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4)),
+    "swinv2_tiny": ("swinv2_tiny", {}, dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4)),
+    "mvitv2_tiny": ("mvitv2_tiny", {}, dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1)),
+    "mvitv2_tiny windows": ("mvitv2_tiny", dict(window_size=56), dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1,
+                                                                     window_size=8)),
+}
+PATH_SIZE = {False: (2, (256, 384)), True: (2, (160, 192))}
+COMPILE_SIZES = {
+    False: ([(512, 768), (640, 800)], [(480, 736), (800, 1088), (576, 960), (704, 704), (768, 1024)]),
+    True: ([(160, 192), (192, 256)], [(224, 160), (256, 320), (288, 224), (160, 288), (320, 192)]),
+}
+
+
+def _model(name: str, tiny: bool, device: str) -> torch.nn.Module:
+    import vtdense
+
+    backbone, full, small = FAMILIES[name]
+    model = vtdense.create_backbone(backbone, drop_path_rate=0.0, **(small if tiny else full))
+    return randomize_(model).to(device)
+
+
+def _outputs(model: torch.nn.Module, x: torch.Tensor, path: str, bf16: bool = False) -> list[torch.Tensor]:
+    from vtdense.layers.attention import attention_backend
+
+    amp = torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16)
+    with attention_backend(path), amp:
+        return [f.float() for f in model(x).values()]
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor, path: str) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    sum(f.square().mean() for f in _outputs(model, x, path)).backward()
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
+
+
+def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((p - q).abs().max().item() for p, q in zip(a, b))
+
+
+def _max_rel(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(((p - q).abs().max() / q.abs().max().clamp_min(1e-12)).item() for p, q in zip(a, b))
+
+
+def check_paths(name: str, tiny: bool, device: str) -> dict[str, Any]:
+    """Max abs difference of each attention path to ``math`` (fp32), of ``sdpa``'s gradients to
+    ``math``'s, and each path's bf16 output's relative error against fp32 ``math``."""
+    from vtdense.layers.attention import flex_available
+
+    torch.manual_seed(0)
+    model = _model(name, tiny, device)
+    batch, size = PATH_SIZE[tiny]
+    x = torch.randn(batch, 3, *size, device=device)
+    paths = ["sdpa"] + (["flex"] if flex_available() else [])
+    out: dict[str, Any] = {"size": list(size), "batch": batch}
+    model.eval()
+    with torch.no_grad():
+        ref = _outputs(model, x, "math")
+        for path in paths:
+            out[f"{path} fp32 max abs diff"] = _max_diff(_outputs(model, x, path), ref)
+            out[f"{path} bf16 max rel err"] = _max_rel(_outputs(model, x, path, bf16=True), ref)
+    model.train()
+    out["sdpa fp32 grad max abs diff"] = _max_diff(_grads(model, x, "sdpa"), _grads(model, x, "math"))
+    return out
+
+
+def check_compile(name: str, tiny: bool, device: str, backend: str) -> dict[str, Any]:
+    """``torch.compile(model, dynamic=True)`` over two sizes, then five more: seconds per call,
+    Dynamo's counts after two sizes and at the end, max abs difference to eager."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = _model(name, tiny, device).eval()
+    compiled = torch.compile(model, dynamic=True, backend=backend)
+    first, more = COMPILE_SIZES[tiny]
+    seconds, diff = [], 0.0
+    after_two: tuple[int, int] | None = None
+    with torch.no_grad():
+        for i, size in enumerate(first + more):
+            if i == len(first):
+                after_two = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+            x = torch.randn(1, 3, *size, device=device)
+            sync(device)
+            t = time.perf_counter()
+            got = compiled(x)
+            sync(device)
+            seconds.append(round(time.perf_counter() - t, 2))
+            expected = model(x)
+            diff = max(diff, _max_diff([got[k].float() for k in expected], [v.float() for v in expected.values()]))
+    end = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+    return {"backend": backend, "sizes": [list(s) for s in first + more], "seconds per call": seconds,
+            "graphs/frames after two sizes": list(after_two or end), "graphs/frames at the end": list(end),
+            "recompiled": end != after_two, "max abs diff to eager": diff}
+
+
+def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    try:
+        return fn()
+    except Exception as err:  # one failing check is reported; the others still run
+        traceback.print_exc()
+        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The report as Markdown tables."""
+    env = report["environment"]
+    lines = [f"### GPU checks: `python benchmarks/gpu_check.py --device {report['device']}`", "",
+             f"{env.get('device_name', report['device'])}; torch {env.get('torch')}; tiny configs: {report['tiny']}.", "",
+             "| backbone | check | result |", "|---|---|---|"]
+    for section in ("paths", "compile"):
+        for name, res in report[section].items():
+            for key, value in res.items():
+                if isinstance(value, float):
+                    value = f"{value:.2e}"
+                lines.append(f"| {name} | {section}: {key} | {value} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="small configs and sizes (seconds on a CPU)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend ('eager': Dynamo only)")
+    p.add_argument("--only", nargs="*", default=list(FAMILIES), choices=list(FAMILIES), help="backbones to check")
+    p.add_argument("--compile-only", nargs="*", default=None, choices=list(FAMILIES),
+                   help="backbones for the compile check (default: those of --only)")
+    p.add_argument("--no-compile", action="store_true", help="skip the compile check")
+    p.add_argument("--out", default=None, help="write the report as JSON here")
+    args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device on this machine")
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons at 1e-5 need true fp32 matmuls
+        torch.backends.cudnn.allow_tf32 = False
+    report: dict[str, Any] = {"device": args.device, "tiny": args.tiny, "environment": environment(args.device),
+                              "paths": {}, "compile": {}}
+    for name in args.only:
+        report["paths"][name] = _guarded(lambda: check_paths(name, args.tiny, args.device))
+        print(name, "paths:", json.dumps(report["paths"][name]), flush=True)
+    if not args.no_compile:
+        for name in args.only if args.compile_only is None else args.compile_only:
+            report["compile"][name] = _guarded(lambda: check_compile(name, args.tiny, args.device, args.compile_backend))
+            print(name, "compile:", json.dumps(report["compile"][name]), flush=True)
+    print(markdown(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

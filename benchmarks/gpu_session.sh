@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU part of the performance issue in one device call (a lent GPU machine has 30 minutes of
+# device time and 10 minutes per command, and starts bare).
+#
+#   bash benchmarks/gpu_session.sh prepare          # here, once: wheels the GPU image lacks, into .whl/
+#   bash benchmarks/gpu_session.sh check            # device call 1 (about 6 min), .whl carried
+#   bash benchmarks/gpu_session.sh bench [BUDGET]   # device call 2 (BUDGET s + about 1 min; default 480)
+#
+# Both install the wheels, then write to $OUT (or /tmp/vtdense-gpu) env.txt (nvidia-smi, versions) and:
+#   check: gpu_check.json / .log   attention paths vs math (fp32 1e-5, bf16) and Swin-T dynamic compile
+#          attention_kernels.log   the kernel each attention call runs in bf16, from the profiler
+#   bench: results-cuda.json, RESULTS.md, bench.log   `benchmarks/run.py --device cuda --full` within BUDGET s
+# Each step's failure is logged and the next step still runs; the exit status is the first failure's.
+set -uo pipefail
+
+mode=${1:-}
+cd "$(dirname "$0")/.."
+
+if [ "$mode" = prepare ]; then
+    exclude=$(git rev-parse --git-path info/exclude) && mkdir -p "$(dirname "$exclude")" || exit 1
+    grep -qx '/.whl/' "$exclude" 2>/dev/null || echo '/.whl/' >> "$exclude"
+    exec python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
+        pycocotools segmentation-models-pytorch jsonargparse docstring-parser typeshed-client torchdata
+fi
+if [ "$mode" != check ] && [ "$mode" != bench ]; then
+    echo "usage: $0 prepare | check | bench [BUDGET_SECONDS]" >&2
+    exit 2
+fi
+
+budget=${2:-480}
+out=${OUT:-/tmp/vtdense-gpu}
+mkdir -p "$out"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site:$PWD
+else
+    export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+status=0
+step() {  # step NAME COMMAND...: run, log to $out/NAME.log, remember the first failure
+    local name=$1; shift
+    echo "== $name: $*"
+    local t0=$SECONDS
+    "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    echo "   rc $rc after $((SECONDS - t0)) s"; tail -n 5 "$out/$name.log"
+    [ $rc -ne 0 ] && [ $status -eq 0 ] && status=$rc
+    return 0
+}
+{ nvidia-smi; python3 -c "import torch, timm, vtdense; print(torch.__version__, torch.version.cuda, timm.__version__, vtdense.__version__)"; } \
+    > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+if [ "$mode" = check ]; then
+    step gpu_check timeout 300 python3 benchmarks/gpu_check.py --device cuda --compile-only swin_tiny --out "$out/gpu_check.json"
+    step attention_kernels timeout 120 python3 benchmarks/attention_kernels.py --device cuda --dtype bf16
+else
+    step bench timeout $((budget + 60)) python3 benchmarks/run.py --device cuda --full --budget "$budget"
+    cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
+fi
+exit $status

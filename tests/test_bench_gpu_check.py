@@ -1,0 +1,46 @@
+"""The GPU check script (benchmarks/gpu_check.py) and its session wrapper work, run here on the CPU at
+tiny sizes, so that a lent GPU's few minutes are not lost to a broken script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_runs_on_the_cpu_and_reports_parity_and_no_recompilation(tmp_path: Path) -> None:
+    out = tmp_path / "check.json"
+    report = gpu_check.main(["--device", "cpu", "--tiny", "--compile-backend", "eager", "--only", "swinv2_tiny",
+                             "--out", str(out)])
+    assert out.is_file()
+    paths, comp = report["paths"]["swinv2_tiny"], report["compile"]["swinv2_tiny"]
+    assert "error" not in paths and "error" not in comp, (paths, comp)
+    for path in ("sdpa", "flex"):
+        assert paths[f"{path} fp32 max abs diff"] < 1e-5
+        assert 0 < paths[f"{path} bf16 max rel err"] < 5e-2  # bf16 really ran, and stays close
+    assert paths["sdpa fp32 grad max abs diff"] < 1e-5
+    assert len(comp["seconds per call"]) == 7
+    assert comp["graphs/frames after two sizes"][0] > 0 and not comp["recompiled"]
+    assert comp["max abs diff to eager"] < 1e-5
+    assert "| swinv2_tiny | compile: recompiled | False |" in gpu_check.markdown(report)
+
+
+def test_gpu_check_reports_a_failing_check_and_goes_on(monkeypatch) -> None:  # noqa: ANN001
+    def broken(*args: object) -> dict:
+        raise RuntimeError("no kernel image is available")
+
+    monkeypatch.setattr(gpu_check, "check_paths", broken)
+    report = gpu_check.main(["--device", "cpu", "--tiny", "--no-compile", "--only", "mvitv2_tiny"])
+    assert report["paths"]["mvitv2_tiny"] == {"error": "RuntimeError: no kernel image is available"}
+
+
+def test_gpu_session_script_rejects_an_unknown_mode() -> None:
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "bogus"], capture_output=True,
+                          text=True, timeout=30, check=False)
+    assert proc.returncode == 2 and "usage:" in proc.stderr
