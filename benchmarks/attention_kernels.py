@@ -61,8 +61,22 @@ def kernel_counts(fn: Any, device: str) -> dict[str, int]:
         # SDPA's dispatcher op calls its chosen kernel op: count the kernel, not the dispatcher.
         if ev.name == "aten::scaled_dot_product_attention":
             continue
+        # On a GPU the SDPA kernel ops call further attention ops through the dispatcher
+        # (_scaled_dot_product_efficient_attention -> _efficient_attention_forward, the flash and
+        # backward ops alike): count only the outermost attention op of each call.
+        if _inside_attention_op(ev):
+            continue
         counts[ev.name] += 1
     return dict(counts)
+
+
+def _inside_attention_op(ev: Any) -> bool:
+    parent = ev.cpu_parent
+    while parent is not None:
+        if classify(parent.name) is not None:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def run(device: str = "cpu", dtype: str = "bf16", batch: int | None = None) -> dict[str, Any]:

@@ -87,6 +87,8 @@ def interleaved_times(
             fn()
             sync(device)
     times: dict[str, list[float]] = {k: [] for k in fns}
+    if not fns:  # every contender of a case failed to build: nothing to time (and no r % 0)
+        return times
     for r in range(repeats):
         # Rotate the order so no contender always runs right after the same other one.
         names = list(fns)

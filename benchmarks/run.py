@@ -32,6 +32,7 @@ same run: absolute times move with the load.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -146,11 +147,24 @@ def parity(case: dict[str, Any], device: str) -> float | None:
     ref = build_model("timm", case).to(device).eval()
     vtdense.load_pretrained(ours, ref.state_dict())
     x = torch.randn(1, 3, *case["size"], device=device)
-    with torch.inference_mode():
-        a, b = features(ours(x)), features(ref(x))
+    # main() allows TF32 on a GPU; parity is measured in true fp32 (else TF32's 10-bit mantissa
+    # rounding would show as a gap between two correct implementations).
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with torch.inference_mode():
+            a, b = features(ours(x)), features(ref(x))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
     if case["family"].startswith("swin"):
         b = [f.permute(0, 3, 1, 2) for f in b]  # timm's Swin features are NHWC
     return max((p.float() - q.float()).abs().max().item() for p, q in zip(a, b))
+
+
+def _error(err: BaseException) -> str:
+    """``Type: first line of the message`` (some exceptions have an empty message)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:120]}" if lines else type(err).__name__
 
 
 def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) -> dict[str, Any]:
@@ -171,7 +185,7 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
         try:
             steps[k] = make_step(k, case, device)
         except Exception as err:  # a peer that cannot run this case is reported, not fatal
-            errors[k] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            errors[k] = _error(err)
             print(f"   {k}: cannot build ({errors[k]})", flush=True)
     flops: dict[str, float] = {}
     for k, fn in steps.items():
@@ -180,7 +194,7 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
         try:
             flops[k] = count_flops(fn)  # doubles as the first warm-up call
         except Exception as err:
-            errors[k] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+            errors[k] = _error(err)
             print(f"   {k}: fails ({errors[k]})", flush=True)
     for k in list(steps):
         if k in errors:
@@ -188,7 +202,13 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
         elif k.endswith("compiled"):
             flops[k] = flops.get(k.replace(" compiled", ""), float("nan"))
             t = time.perf_counter()
-            steps[k]()  # compile here, outside the timed rounds
+            try:
+                steps[k]()  # compile here, outside the timed rounds
+            except Exception as err:  # a contender that does not compile is reported, not fatal
+                errors[k] = _error(err)
+                print(f"   {k}: fails to compile ({errors[k]})", flush=True)
+                del steps[k]
+                continue
             print(f"   {k}: compiled and ran once in {time.perf_counter() - t:.1f} s", flush=True)
     heavy = case["batch"] * case["size"][0] * case["size"][1] * (3 if case["mode"] == "train" else 1) > 2e6 and device == "cpu"
     repeats = args.repeats or (3 if heavy else 5)
@@ -233,7 +253,11 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
                 print(f"   {k}: tensor peak {tensor_memory[k]:.0f} MiB", flush=True)
     diff = None
     if case.get("parity") and "timm" in steps and "vtdense" in steps:
-        diff = parity(case, device)
+        try:
+            diff = parity(case, device)
+        except Exception as err:  # the timings of the case are kept
+            errors["parity"] = _error(err)
+            print(f"   parity: fails ({errors['parity']})", flush=True)
 
     rows = []
     med = {k: median(v) for k, v in times.items()}
@@ -417,9 +441,23 @@ def main(argv: list[str] | None = None) -> int:
     run_extras = args.tier != "quick" and not args.only and not args.no_extras
     extras_s = sum(EXTRAS_SECONDS[args.device].values()) if run_extras else 0.0
     args.deadline = t0 + args.budget - extras_s if args.budget else None
-    results = [run_case(case, args, peak) for case in selected]
+    results = []
+    for case in selected:
+        try:
+            results.append(run_case(case, args, peak))
+        except Exception as err:  # e.g. out of GPU memory: reported, the other cases still run
+            print(f"   case failed: {_error(err)}", flush=True)
+            results.append(dict(case, best_peer=None, parity_max_abs_diff=None, rows=[], errors={"case": _error(err)},
+                                repeats=0, warmup=0, memory_measured=False))
+        else:
+            continue
+        gc.collect()  # outside the except clause: the failed case's frames (models, tensors) are free now
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
     left_out = [r["name"] for r in results if r.get("left_out")]
     extras: dict[str, Any] = {}
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the recipe section trains in a subprocess on the same GPU
     if run_extras:
         for name, fn in (("recipe", lambda: recipe_speed.run(args.device, steps=RECIPE_STEPS[args.device])),
                          ("padding", lambda: padding.run(args.device)),
