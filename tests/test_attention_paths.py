@@ -164,3 +164,34 @@ def test_inference_runs_sdpa_fused_kernel_in_every_attention_call(name: str) -> 
         counts = kernel_counts(infer, "cpu")
         assert {classify(k) for k in counts} == {"fused"}, (dtype, counts)
         assert sum(counts.values()) == calls, (dtype, counts)
+
+
+def test_sdpa_under_autocast_takes_a_low_precision_term_without_casting_it() -> None:
+    """CUDA autocast runs LayerNorm (MViTv2's q/k/v norms) and Swin V2's cosine normalisation in fp32, so
+    q reaches the kernel in fp32 with a bf16 bias. The term goes straight to autocast's dtype: it is not
+    copied up to fp32 and cast down again by SDPA's autocast (two copies of the largest tensor)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Casts(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shapes: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_):
+                self.shapes.append(tuple(out.shape))
+            return out
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 4, 16, 8) for _ in range(3))  # (B, nW, heads, N, d), fp32
+    term = torch.randn(3, 4, 16, 16).bfloat16()  # per-window bias made by a bf16 matmul
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with Casts() as casts:
+            out = attention(q, k, v, term, backend="sdpa")
+        assert out.dtype == torch.bfloat16
+        assert all(s[-2:] != (16, 16) for s in casts.shapes), casts.shapes  # only q, k, v are cast
+    # the values autocast's SDPA computes from bf16 inputs, which the fp32 detour gave too
+    fold = lambda t: t.bfloat16().reshape(2, 12, 16, 8)  # noqa: E731
+    expected = torch.nn.functional.scaled_dot_product_attention(fold(q), fold(k), fold(v), attn_mask=term.reshape(1, 12, 16, 16))
+    assert torch.equal(out.reshape(2, 12, 16, 8), expected)

@@ -111,6 +111,16 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, term: Tensor | None, scale: float, dr
     return flex_attention(q, k, v, score_mod=score_mod, scale=scale)
 
 
+def _term_dtype(q: Tensor, backend: str) -> torch.dtype:
+    """The dtype the additive term is built in: SDPA under autocast runs in autocast's dtype and
+    would cast a ``q``-dtype (fp32) term down again, so the term goes straight to that dtype (a
+    bf16 term from a bf16 matmul is then not copied at all); otherwise ``q``'s dtype."""
+    dev = q.device.type
+    if backend == "sdpa" and dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) and q.dtype == torch.float32:
+        return torch.get_autocast_dtype(dev)
+    return q.dtype
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -125,7 +135,8 @@ def attention(
     Args:
         q: ``(..., heads, Nq, d)``; ``k``, ``v``: ``(..., heads, Nk, d)``. For windowed attention
             the leading dims are ``(B, nW)``.
-        mask: additive term, cast to ``q``'s dtype: ``(heads, Nq, Nk)`` shared by all leading
+        mask: additive term, cast to ``q``'s dtype (to autocast's for SDPA under autocast):
+            ``(heads, Nq, Nk)`` shared by all leading
             dims; ``(nW, heads, Nq, Nk)`` per window (the last leading dim) shared over the batch;
             or ``(..., heads, Nq, Nk)`` with q's leading dims (size-1 dims broadcast).
         scale: logit scale; ``None`` means ``d ** -0.5``.
@@ -140,6 +151,7 @@ def attention(
     h, nq, d = q.shape[-3:]
     nk = k.shape[-2]
     scale = d**-0.5 if scale is None else scale
+    dtype = _term_dtype(q, backend)
     fold = _FOLD_WINDOWS and mask is not None and mask.dim() == 4 < q.dim() and mask.shape[0] > 1
     if fold:
         # Per-window term: fold the windows into the heads, (B, nW*h, N, d), so the term is one
@@ -148,15 +160,15 @@ def attention(
         if lead[-1] != nw:
             raise ValueError(f"a per-window mask of {nw} windows needs q of (..., {nw}, heads, N, d), got {tuple(q.shape)}")
         h_all = nw * h
-        term = mask.to(q.dtype).reshape(1, h_all, nq, nk)
+        term = mask.to(dtype).reshape(1, h_all, nq, nk)
     else:
         h_all = h
         if mask is None:
             term = None
         elif mask.dim() == q.dim() or mask.dim() == 4 < q.dim():  # a term per leading index, or per window
-            term = mask.to(q.dtype).expand(*lead, h, nq, nk).reshape(-1, h, nq, nk)
+            term = mask.to(dtype).expand(*lead, h, nq, nk).reshape(-1, h, nq, nk)
         else:
-            term = mask.to(q.dtype).reshape(1, h, nq, nk)
+            term = mask.to(dtype).reshape(1, h, nq, nk)
     q4 = q.reshape(-1, h_all, nq, d)
     k4 = k.reshape(-1, h_all, nk, k.shape[-1])
     v4 = v.reshape(-1, h_all, nk, v.shape[-1])
