@@ -180,11 +180,11 @@ def make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[],
         opt = adamw([{"params": [p for p in model.parameters() if p.requires_grad]}], lr=1e-4, weight_decay=0.05)
 
         def det_train() -> None:
-            opt.zero_grad(set_to_none=True)
             with _autocast(case, device):
                 losses = model(images, targets)
             sum(losses.values()).backward()
             opt.step()
+            opt.zero_grad(set_to_none=True)  # here, not first: a memory baseline taken between steps holds no gradients
 
         return det_train
 
@@ -201,10 +201,10 @@ def make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[],
     params = [p for p in model.parameters() if p.requires_grad]
 
     def train() -> None:
-        for p in params:
-            p.grad = None
         with _autocast(case, device):
             feats = features(model(x))
         sum(f.float().mean() for f in feats).backward()
+        for p in params:  # here, not first: a memory baseline taken between steps holds no gradients
+            p.grad = None
 
     return train
