@@ -177,17 +177,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.backends.cudnn.allow_tf32 = False
     report: dict[str, Any] = {"device": args.device, "tiny": args.tiny, "environment": environment(args.device),
                               "paths": {}, "compile": {}}
+    def save() -> None:  # after every check, so a run cut off by its time limit keeps what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(report, f, indent=1)
+
     for name in args.only:
         report["paths"][name] = _guarded(lambda: check_paths(name, args.tiny, args.device))
         print(name, "paths:", json.dumps(report["paths"][name]), flush=True)
+        save()
     if not args.no_compile:
         for name in args.only if args.compile_only is None else args.compile_only:
             report["compile"][name] = _guarded(lambda: check_compile(name, args.tiny, args.device, args.compile_backend))
             print(name, "compile:", json.dumps(report["compile"][name]), flush=True)
+            save()
     print(markdown(report))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+    save()
     return report
 
 

@@ -3,7 +3,7 @@
 # device time and 10 minutes per command, and starts bare).
 #
 #   bash benchmarks/gpu_session.sh prepare          # here, once: wheels the GPU image lacks, into .whl/
-#   bash benchmarks/gpu_session.sh check            # device call 1 (about 6 min), .whl carried
+#   bash benchmarks/gpu_session.sh check            # device call 1 (at most 9.5 min), .whl carried
 #   bash benchmarks/gpu_session.sh bench [BUDGET]   # device call 2 (BUDGET s + about 1 min; default 480)
 #
 # Both install the wheels, then write to $OUT (or /tmp/vtdense-gpu) env.txt (nvidia-smi, versions) and:
@@ -54,7 +54,7 @@ step() {  # step NAME COMMAND...: run, log to $out/NAME.log, remember the first 
     > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 if [ "$mode" = check ]; then
-    step gpu_check timeout 300 python3 benchmarks/gpu_check.py --device cuda --compile-only swin_tiny --out "$out/gpu_check.json"
+    step gpu_check timeout 420 python3 benchmarks/gpu_check.py --device cuda --compile-only swin_tiny --out "$out/gpu_check.json"
     step attention_kernels timeout 120 python3 benchmarks/attention_kernels.py --device cuda --dtype bf16
 else
     step bench timeout $((budget + 60)) python3 benchmarks/run.py --device cuda --full --budget "$budget"
