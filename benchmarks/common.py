@@ -39,6 +39,7 @@ __all__ = [
     "isolated_peak_rss",
     "cuda_peak",
     "environment",
+    "error_line",
 ]
 
 
@@ -56,6 +57,12 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
                 v = torch.randn(p.shape, generator=g) * 0.05
             p.copy_(v.to(p.device, p.dtype))
     return model
+
+
+def error_line(err: BaseException, width: int = 120) -> str:
+    """``Type: first line of the message`` for a report (some exceptions have an empty message)."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0][:width]}" if lines else type(err).__name__
 
 
 def sync(device: str) -> None:

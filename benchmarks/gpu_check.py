@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from common import environment, randomize_, sync  # noqa: E402
+from common import environment, error_line, randomize_, sync  # noqa: E402
 
 #: name -> (vtdense backbone, overrides); the tiny overrides keep a shifted, padded stage
 FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -141,7 +141,7 @@ def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         return fn()
     except Exception as err:  # one failing check is reported; the others still run
         traceback.print_exc()
-        return {"error": f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"}
+        return {"error": error_line(err, 300)}
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -46,7 +46,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from common import count_flops, cpu_tensor_peak, cuda_peak, environment, interleaved_times, isolated_peak_rss, matmul_peak, median  # noqa: E402
+from common import count_flops, cpu_tensor_peak, cuda_peak, environment, error_line, interleaved_times, isolated_peak_rss, matmul_peak, median  # noqa: E402
 from contenders import build_model, features, make_step  # noqa: E402
 
 import attention_kernels  # noqa: E402
@@ -161,12 +161,6 @@ def parity(case: dict[str, Any], device: str) -> float | None:
     return max((p.float() - q.float()).abs().max().item() for p, q in zip(a, b))
 
 
-def _error(err: BaseException) -> str:
-    """``Type: first line of the message`` (some exceptions have an empty message)."""
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0][:120]}" if lines else type(err).__name__
-
-
 def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) -> dict[str, Any]:
     device = args.device
     tier = TIERS[args.tier]
@@ -185,7 +179,7 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
         try:
             steps[k] = make_step(k, case, device)
         except Exception as err:  # a peer that cannot run this case is reported, not fatal
-            errors[k] = _error(err)
+            errors[k] = error_line(err)
             print(f"   {k}: cannot build ({errors[k]})", flush=True)
     flops: dict[str, float] = {}
     for k, fn in steps.items():
@@ -194,7 +188,7 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
         try:
             flops[k] = count_flops(fn)  # doubles as the first warm-up call
         except Exception as err:
-            errors[k] = _error(err)
+            errors[k] = error_line(err)
             print(f"   {k}: fails ({errors[k]})", flush=True)
     for k in list(steps):
         if k in errors:
@@ -205,7 +199,7 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
             try:
                 steps[k]()  # compile here, outside the timed rounds
             except Exception as err:  # a contender that does not compile is reported, not fatal
-                errors[k] = _error(err)
+                errors[k] = error_line(err)
                 print(f"   {k}: fails to compile ({errors[k]})", flush=True)
                 del steps[k]
                 continue
@@ -256,7 +250,7 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
         try:
             diff = parity(case, device)
         except Exception as err:  # the timings of the case are kept
-            errors["parity"] = _error(err)
+            errors["parity"] = error_line(err)
             print(f"   parity: fails ({errors['parity']})", flush=True)
 
     rows = []
@@ -446,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results.append(run_case(case, args, peak))
         except Exception as err:  # e.g. out of GPU memory: reported, the other cases still run
-            print(f"   case failed: {_error(err)}", flush=True)
-            results.append(dict(case, best_peer=None, parity_max_abs_diff=None, rows=[], errors={"case": _error(err)},
+            print(f"   case failed: {error_line(err)}", flush=True)
+            results.append(dict(case, best_peer=None, parity_max_abs_diff=None, rows=[], errors={"case": error_line(err)},
                                 repeats=0, warmup=0, memory_measured=False))
         else:
             continue
