@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a source checkout
 
-from vtdense.cli import run_recipe  # noqa: E402
+from vtdense.cli import run_recipe, run_script  # noqa: E402
 from vtdense.data.ade20k import ADE20KDataModule  # noqa: E402
 from vtdense.tasks.segmentation import SegmentationTask  # noqa: E402
 
@@ -41,4 +41,4 @@ def main(args: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

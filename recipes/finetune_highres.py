@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 import yaml  # noqa: E402
 
 import vtdense  # noqa: E402
-from vtdense.cli import run_recipe  # noqa: E402
+from vtdense.cli import run_recipe, run_script  # noqa: E402
 
 __all__ = ["DEMO_CONFIG", "FINETUNE_OVERRIDES", "demo", "main", "show_checkpoint_reports"]
 
@@ -184,4 +184,4 @@ def main(args: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main)

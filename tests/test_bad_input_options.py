@@ -133,3 +133,47 @@ def test_misspelt_option_gets_one_short_error_with_the_closest_name(
     assert "usage:" not in err and len(err.strip().splitlines()) <= 3, err[-2000:]
     assert "--help" in err  # where the valid options are listed
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--model.compile_backbone", "inductr"], "error: compile_backbone='inductr' is not a torch.compile backend"),
+        (["--model.size_divisibility", "0"], "error: size_divisibility must be a positive int (option 'size_divisibility')"),
+        (["--model.head", "mask_rcn"], "error: unknown head 'mask_rcn'"),
+        (["predict", "--ckpt_path", "missing.ckpt", "--data.predict_path", "."],
+         "error: --ckpt_path: checkpoint not found: missing.ckpt"),
+    ],
+)
+def test_bad_option_value_gets_one_line_from_the_script(
+        tmp_path: Path, argv: list[str], expected: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A value the task / datamodule / predict rejects: ``error: <message>``, status 2, no traceback."""
+    recipe = _recipe()
+    if argv[0] != "predict":
+        argv = argv + [f"--trainer.default_root_dir={tmp_path / 'run'}"]
+    monkeypatch.setattr(sys, "argv", [str(RECIPE), *argv])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        recipe.run_script(recipe.main)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(expected), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_errors_during_the_run_keep_their_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    from vtdense import cli
+
+    def failing_run() -> None:
+        raise ValueError("a bug in the training loop")
+
+    def bad_option() -> None:
+        with cli.before_run():
+            raise ValueError("bad option")
+
+    with pytest.raises(ValueError, match="a bug in the training loop"):
+        cli.run_script(failing_run)
+    with pytest.raises(SystemExit) as info:
+        cli.run_script(bad_option)
+    assert info.value.code == 2 and capsys.readouterr().err == "error: bad option\n"

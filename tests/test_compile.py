@@ -74,3 +74,100 @@ def test_torch_export_leaves_no_traced_tensors_in_the_size_caches() -> None:
         with torch.no_grad():
             out = m(x)  # eager after export: the caches must hold real tensors
         assert all(type(v) is torch.Tensor and torch.isfinite(v).all() for v in out.values())
+
+
+# ----------------------------------------------------------------------------- compile_backbone
+# Dynamo's own capture (``backend="eager"``) runs the traced ops eagerly: what these tests check is
+# the wiring (which part compiles, in place, for all sizes), not Inductor's code generation, which
+# ``benchmarks/gpu_check.py`` times on a GPU.
+DET_BACKBONE = dict(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8], window_size=4, drop_path_rate=0.0)
+DET_SLIM = dict(fpn_channels=32, slim_heads=True, mask_head_channels=16, mask_head_layers=1, box_head_width=64)
+
+
+def _detector() -> torch.nn.Module:
+    from vtdense.models.detection import build_detector
+
+    torch.manual_seed(0)
+    return build_detector("swin_tiny", "mask_rcnn", 2, backbone_kwargs=DET_BACKBONE, **DET_SLIM).train()
+
+
+def _segmentor() -> torch.nn.Module:
+    from vtdense.models.segmentation import build_segmentor
+
+    torch.manual_seed(0)
+    return build_segmentor("fpn", "swinv2_tiny", 3, backbone_kwargs=TINY, decoder_segmentation_channels=32,
+                           decoder_pyramid_channels=32).train()
+
+
+def test_compile_backbone_compiles_the_backbone_part_in_place_and_trains_like_eager() -> None:
+    """The detector's backbone + FPN (and a segmentor's encoder) run compiled with the same
+    parameter names, outputs, losses and gradients as eager."""
+    import copy
+
+    from vtdense.models.compile import backbone_module, compile_backbone, is_compiled
+
+    torch._dynamo.reset()
+    counters.clear()
+    det = _detector()
+    twin = copy.deepcopy(det)
+    part = compile_backbone(twin, "eager", dynamic=False)  # dynamic sizes: the tests above
+    assert part is twin.backbone and is_compiled(twin) == "eager" and is_compiled(det) is None
+    assert list(twin.state_dict()) == list(det.state_dict())  # checkpoints are unchanged
+    images = [torch.rand(3, 128, 160), torch.rand(3, 150, 120)]
+    targets = [
+        {"boxes": torch.tensor([[10.0, 12.0, 70.0, 90.0]]), "labels": torch.tensor([1]),
+         "masks": torch.zeros(1, 128, 160, dtype=torch.uint8)},
+        {"boxes": torch.tensor([[5.0, 20.0, 100.0, 60.0]]), "labels": torch.tensor([2]),
+         "masks": torch.ones(1, 150, 120, dtype=torch.uint8)},
+    ]
+    losses = []
+    for model in (det, twin):
+        torch.manual_seed(1)  # the RPN / RoI samplers draw from the global generator
+        out = model(images, targets)
+        sum(out.values()).backward()
+        losses.append(out)
+    assert counters["stats"]["unique_graphs"] > 0  # the compiled copy went through Dynamo
+    for k in losses[0]:
+        assert torch.allclose(losses[0][k], losses[1][k], rtol=1e-5, atol=1e-6), k
+    for (name, p), q in zip(backbone_module(det).named_parameters(), backbone_module(twin).parameters()):
+        assert p.grad is not None and q.grad is not None, name
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name
+
+    # an SMP segmentor compiles its encoder (the same vtdense backbone the detector part ran above)
+    seg = _segmentor()
+    assert compile_backbone(seg, None) is seg.encoder and is_compiled(seg) is None
+    assert compile_backbone(seg, "eager") is seg.encoder and is_compiled(seg) == "eager"
+    assert is_compiled(seg.segmentation_head) is None
+
+
+def test_compile_backbone_option_is_checked_before_the_run() -> None:
+    from vtdense.models.compile import backbone_module, check_compile_option, is_compiled
+    from vtdense.tasks.detection import DetectionTask
+    from vtdense.tasks.segmentation import SegmentationTask
+
+    assert check_compile_option(True) == "inductor" and check_compile_option("false") is None
+    assert check_compile_option(False) is None and check_compile_option("aot_eager") == "aot_eager"
+    with pytest.raises(ValueError, match=r"compile_backbone='inductr' is not a torch.compile backend.*inductor"):
+        DetectionTask(backbone="swin_tiny", num_classes=2, compile_backbone="inductr")
+    with pytest.raises(ValueError, match=r"compile_backbone must be a bool or a torch.compile backend name"):
+        SegmentationTask(backbone="swin_tiny", num_classes=2, compile_backbone=3)
+
+    # Lightning's configure_model hook compiles the backbone part once, whatever the stage
+    tasks = {
+        "eager": DetectionTask(backbone="swin_tiny", backbone_kwargs=DET_BACKBONE, num_classes=2, compile_backbone="eager",
+                               **DET_SLIM),
+        "inductor": SegmentationTask(backbone="swinv2_tiny", backbone_kwargs=TINY, num_classes=3, compile_backbone=True,
+                                     arch_kwargs={"decoder_channels": 8}, aux_channels=8),
+    }
+    for backend, task in tasks.items():
+        if task.model is None:
+            task.build()
+        assert is_compiled(task.model) is None
+        keys = list(task.state_dict())
+        task.configure_model()
+        assert is_compiled(task.model) == backend
+        part = backbone_module(task.model)
+        assert part is (task.model.backbone if isinstance(task, DetectionTask) else task.model.encoder)
+        compiled = part._compiled_call_impl
+        task.configure_model()  # idempotent
+        assert compiled is not None and part._compiled_call_impl is compiled and list(task.state_dict()) == keys

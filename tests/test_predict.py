@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+from unittest.mock import patch
 
 import numpy as np
 import pytest
@@ -344,6 +345,21 @@ def test_recipe_predict_options(det_ckpt: Path, seg_ckpt: Path, photos: Path, ca
         _recipe("coco_swin").main(["predict", f"--ckpt_path={det_ckpt}", "--size_divisibility=48", *base])
     with pytest.raises(ValueError, match="option 'size_divisibility'"):
         DetectionTask(num_classes=2, size_divisibility=0)
+    with pytest.raises(ValueError, match="--compile_backbone='inductr' is not a torch.compile backend"):
+        _recipe("coco_swin").main(["predict", f"--ckpt_path={det_ckpt}", "--compile_backbone=inductr", *base])
+    # a checkpoint trained compiled predicts eagerly unless --compile_backbone asks
+    class Loaded(Exception):
+        pass
+
+    def load(*args: Any, **kwargs: Any) -> None:
+        raise Loaded(kwargs)
+
+    for flag, backend in ((None, False), ("true", "inductor"), ("aot_eager", "aot_eager")):
+        with patch.object(DetectionTask, "from_checkpoint", side_effect=load):
+            with pytest.raises(Loaded) as loaded:
+                _recipe("coco_swin").main(["predict", f"--ckpt_path={det_ckpt}", *base]
+                                          + ([f"--compile_backbone={flag}"] if flag else []))
+        assert loaded.value.args[0]["compile_backbone"] == backend
 
 
 def test_recipe_predict_ddp_two_processes(det_ckpt: Path, photos: Path, tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from vtdense.tasks.base import atomic_write_bytes, resolve_run_dir
 
@@ -41,7 +42,36 @@ __all__ = [
     "run_dir",
     "run_predict",
     "run_recipe",
+    "run_script",
 ]
+
+#: The exceptions a user's options, files or paths raise before a run starts (Lightning raises
+#: ``MisconfigurationException`` for trainer options that do not fit together).
+_USER_ERRORS = (ValueError, TypeError, OSError, MisconfigurationException)
+
+
+@contextlib.contextmanager
+def before_run():
+    """Mark the errors raised inside as the user's (bad options, missing files): raised before
+    any training or prediction starts, :func:`run_script` prints them as one line."""
+    try:
+        yield
+    except _USER_ERRORS as err:
+        err.vtdense_before_run = True  # type: ignore[union-attr]
+        raise
+
+
+def run_script(main: Any) -> None:
+    """Run a recipe's ``main()`` as a command: an error :func:`before_run` marked (a bad option, a
+    missing file) prints ``error: <message>`` and exits with status 2, like an argparse error, instead
+    of a traceback through Lightning and jsonargparse; any other exception propagates unchanged."""
+    try:
+        main()
+    except _USER_ERRORS as err:
+        if not getattr(err, "vtdense_before_run", False):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _close_option(name: str, options: list[str]) -> str | None:
@@ -257,20 +287,8 @@ def run_recipe(
     argv_predict = sys.argv[1:] if args is None else list(args)
     if argv_predict and argv_predict[0] == PREDICT_WORD:  # the predict subcommand (see run_predict)
         return run_predict(task_cls, argv_predict[1:], prog=f"{Path(sys.argv[0]).name} {PREDICT_WORD}")
-    parser_kwargs: dict[str, Any] = {}
-    if demo_config is not None and default_config is not None:
-        argv = sys.argv[1:] if args is None else list(args)
-        chosen = choose_config(datamodule_cls, argv, Path(default_config), Path(demo_config))
-        if chosen == Path(demo_config):
-            print(f"config: CPU demo {Path(demo_config).name} "
-                  f"(pass --data.root for the published recipe, {Path(default_config).name})")
-        default_config = chosen
-    if default_config is not None:
-        default_config = Path(default_config)
-        if not default_config.is_file():
-            raise FileNotFoundError(f"default_config {str(default_config)!r} does not exist")
-        parser_kwargs["default_config_files"] = [str(default_config)]
-    cli = VtdenseCLI(task_cls, datamodule_cls, run=False, args=args, parser_kwargs=parser_kwargs)
+    with before_run():  # parsing and building the task, the datamodule and the trainer
+        cli = _build_cli(task_cls, datamodule_cls, default_config, args, demo_config)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
 
     fit_resumable(trainer, model, datamodule, resume_path(trainer, cli.config.get("ckpt_path")))
@@ -308,6 +326,30 @@ def run_recipe(
         print(format_metrics_table(metrics, title=f"final metrics ({ckpt_path or 'last weights'})"))
         print(describe_run_dir(out_dir))
     return metrics
+
+
+def _build_cli(
+    task_cls: type[LightningModule],
+    datamodule_cls: type[LightningDataModule],
+    default_config: str | Path | None,
+    args: list[str] | None,
+    demo_config: str | Path | None,
+) -> VtdenseCLI:
+    """The recipe's :class:`VtdenseCLI` (parsed, task / datamodule / trainer built, nothing run)."""
+    parser_kwargs: dict[str, Any] = {}
+    if demo_config is not None and default_config is not None:
+        argv = sys.argv[1:] if args is None else list(args)
+        chosen = choose_config(datamodule_cls, argv, Path(default_config), Path(demo_config))
+        if chosen == Path(demo_config):
+            print(f"config: CPU demo {Path(demo_config).name} "
+                  f"(pass --data.root for the published recipe, {Path(default_config).name})")
+        default_config = chosen
+    if default_config is not None:
+        default_config = Path(default_config)
+        if not default_config.is_file():
+            raise FileNotFoundError(f"default_config {str(default_config)!r} does not exist")
+        parser_kwargs["default_config_files"] = [str(default_config)]
+    return VtdenseCLI(task_cls, datamodule_cls, run=False, args=args, parser_kwargs=parser_kwargs)
 
 
 def describe_run_dir(out_dir: Path) -> str:
@@ -367,6 +409,9 @@ def predict_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "such as 128 bounds the distinct shapes of images of many sizes")
     p.add_argument("--data.eval_scale", dest="eval_scale", type=_yaml_value, default=None,
                    help="segmentation: (long, short) resize, e.g. '[2048, 512]' (default: the checkpoint's)")
+    p.add_argument("--compile_backbone", type=_yaml_value, default=False,
+                   help="torch.compile the backbone for all image sizes: false (default, even for a checkpoint trained "
+                   "compiled), true (inductor) or a backend name; pays off on a GPU over many images")
     p.add_argument("--progress_bar", type=_yaml_value, default=True, help="show the progress bar (default true)")
     return p
 
@@ -387,54 +432,57 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
     from torch.utils.data import DataLoader
 
     from vtdense.data.predict import PredictImages, collate_predict, list_images
+    from vtdense.models.compile import check_compile_option
     from vtdense.tasks.predict import PredictionWriter, default_output_dir
 
-    ns = predict_parser(prog).parse_args(args)
-    if not Path(ns.ckpt_path).expanduser().is_file():
-        raise FileNotFoundError(f"--ckpt_path: checkpoint not found: {ns.ckpt_path}")
-    if ns.batch_size < 1 or ns.num_workers < 0 or ns.devices < 1:
-        raise ValueError("--data.batch_size and --devices must be >= 1, --data.num_workers >= 0")
-    if ns.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is available (use --device cpu or auto)")
-    files = list_images(ns.predict_path)
-    task: Any = task_cls.from_checkpoint(ns.ckpt_path, map_location="cpu")
+    with before_run():  # everything a user can get wrong, checked before the model runs
+        ns = predict_parser(prog).parse_args(args)
+        if not Path(ns.ckpt_path).expanduser().is_file():
+            raise FileNotFoundError(f"--ckpt_path: checkpoint not found: {ns.ckpt_path}")
+        if ns.batch_size < 1 or ns.num_workers < 0 or ns.devices < 1:
+            raise ValueError("--data.batch_size and --devices must be >= 1, --data.num_workers >= 0")
+        if ns.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda but no CUDA device is available (use --device cpu or auto)")
+        compile_backend = check_compile_option(ns.compile_backbone, "--compile_backbone")
+        files = list_images(ns.predict_path)
+        task: Any = task_cls.from_checkpoint(ns.ckpt_path, map_location="cpu", compile_backbone=compile_backend or False)
 
-    given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale") if getattr(ns, k) is not None}
-    accepted = inspect.signature(task.predict_transform).parameters
-    wrong = [f"--data.{k}" for k in given if k not in accepted]
-    if wrong:
-        raise ValueError(f"{', '.join(wrong)} does not apply to a {type(task).__name__} checkpoint")
-    has_threshold = hasattr(task, "score_threshold")
-    if ns.score_thresh is not None and not has_threshold:
-        raise ValueError(f"--score_thresh does not apply to a {type(task).__name__} checkpoint")
-    score_thresh = (0.5 if ns.score_thresh is None else ns.score_thresh) if has_threshold else None
-    if ns.size_divisibility is not None:
-        if not hasattr(task, "set_size_divisibility"):
-            raise ValueError(f"--size_divisibility does not apply to a {type(task).__name__} checkpoint")
-        task.set_size_divisibility(ns.size_divisibility)
+        given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale") if getattr(ns, k) is not None}
+        accepted = inspect.signature(task.predict_transform).parameters
+        wrong = [f"--data.{k}" for k in given if k not in accepted]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} does not apply to a {type(task).__name__} checkpoint")
+        has_threshold = hasattr(task, "score_threshold")
+        if ns.score_thresh is not None and not has_threshold:
+            raise ValueError(f"--score_thresh does not apply to a {type(task).__name__} checkpoint")
+        score_thresh = (0.5 if ns.score_thresh is None else ns.score_thresh) if has_threshold else None
+        if ns.size_divisibility is not None:
+            if not hasattr(task, "set_size_divisibility"):
+                raise ValueError(f"--size_divisibility does not apply to a {type(task).__name__} checkpoint")
+            task.set_size_divisibility(ns.size_divisibility)
 
-    dataset = PredictImages(files, task.predict_transform(**given))
-    loader = DataLoader(dataset, batch_size=ns.batch_size, num_workers=ns.num_workers, collate_fn=collate_predict)
-    out_dir = Path(ns.output).expanduser() if ns.output else default_output_dir(ns.ckpt_path)
-    info: dict[str, Any] = {"checkpoint": str(Path(ns.ckpt_path).expanduser().resolve()), "predict_path": ns.predict_path}
-    if score_thresh is not None:
-        info["score_thresh"] = score_thresh
-    if ns.size_divisibility is not None:
-        info["size_divisibility"] = ns.size_divisibility
-    info["preprocessing"] = {k: v for k, v in (task.datamodule_hparams or {}).items()
-                             if k in ("test_scale", "max_size", "scale", "eval_scale")} | given
-    writer = PredictionWriter(out_dir, info)
-    trainer = Trainer(
-        accelerator=DEVICES[ns.device],
-        devices=ns.devices,
-        precision="bf16-mixed" if ns.bf16 else "32-true",
-        logger=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        enable_progress_bar=bool(ns.progress_bar),
-        callbacks=[writer],
-        default_root_dir=str(out_dir),
-    )
+        dataset = PredictImages(files, task.predict_transform(**given))
+        loader = DataLoader(dataset, batch_size=ns.batch_size, num_workers=ns.num_workers, collate_fn=collate_predict)
+        out_dir = Path(ns.output).expanduser() if ns.output else default_output_dir(ns.ckpt_path)
+        info: dict[str, Any] = {"checkpoint": str(Path(ns.ckpt_path).expanduser().resolve()), "predict_path": ns.predict_path}
+        if score_thresh is not None:
+            info["score_thresh"] = score_thresh
+        if ns.size_divisibility is not None:
+            info["size_divisibility"] = ns.size_divisibility
+        info["preprocessing"] = {k: v for k, v in (task.datamodule_hparams or {}).items()
+                                 if k in ("test_scale", "max_size", "scale", "eval_scale")} | given
+        writer = PredictionWriter(out_dir, info)
+        trainer = Trainer(
+            accelerator=DEVICES[ns.device],
+            devices=ns.devices,
+            precision="bf16-mixed" if ns.bf16 else "32-true",
+            logger=False,
+            enable_checkpointing=False,
+            enable_model_summary=False,
+            enable_progress_bar=bool(ns.progress_bar),
+            callbacks=[writer],
+            default_root_dir=str(out_dir),
+        )
     context = task.score_threshold(score_thresh) if has_threshold else contextlib.nullcontext()
     with context:
         trainer.predict(task, dataloaders=loader, return_predictions=False)

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from vtdense.data.errors import SKIP_REPORT_NAME, read_skip_report, write_skip_report
+from vtdense.models.compile import check_compile_option, compile_backbone, is_compiled
 from vtdense.tasks.fault import (
     NONFINITE_POLICIES,
     AtomicCheckpointIO,
@@ -140,12 +141,23 @@ class BaseTask(LightningModule):
         return [self.model] if self.model is not None else []
 
     def configure_model(self) -> None:
-        """Lightning's hook for model-parallel strategies: under ``--trainer.strategy fsdp``
-        (:class:`vtdense.strategies.VtdenseFSDPStrategy`) shard the network, one FSDP unit per
-        transformer block plus :meth:`fsdp_units`. Idempotent; nothing under other strategies."""
+        """Lightning's hook, called once the model is built and before the strategy wraps it.
+
+        - Under ``--trainer.strategy fsdp`` (:class:`vtdense.strategies.VtdenseFSDPStrategy`) shard
+          the network, one FSDP unit per transformer block plus :meth:`fsdp_units`.
+        - With the ``compile_backbone`` hyperparameter set, compile the backbone part in place for
+          all input sizes (:func:`vtdense.models.compile.compile_backbone`).
+
+        Idempotent.
+        """
+        if self.model is None:
+            return
         shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None
-        if shard is not None and self.model is not None:
+        if shard is not None:
             shard(self, self.fsdp_units())
+        backend = check_compile_option(self.hparams.get("compile_backbone"))
+        if backend is not None and is_compiled(self.model) is None:
+            compile_backbone(self.model, backend)
 
     def setup(self, stage: str) -> None:
         """Resolve the run directory on every rank (a collective under DDP); save checkpoints atomically."""

@@ -38,6 +38,7 @@ from torchmetrics.detection import MeanAveragePrecision
 from torchvision.ops import box_convert
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
+from vtdense.models.compile import check_compile_option
 from vtdense.models.detection import HEADS, build_detector, list_heads, set_size_divisibility
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import adamw, apply_layer_decay, param_groups, warmup_schedule
@@ -172,6 +173,7 @@ class DetectionTask(BaseTask):
         checkpoint_every_n_steps: int | None = None,
         size_divisibility: int | None = None,
         fused_optimizer: bool | None = None,
+        compile_backbone: bool | str = False,
     ) -> None:
         """Initialise the task.
 
@@ -221,6 +223,10 @@ class DetectionTask(BaseTask):
             fused_optimizer: torch's fused AdamW step (one kernel per chunk of parameters): ``None``
                 (auto) uses it on CPUs and GPUs unless gradient clipping under mixed precision or
                 fp16 loss scaling rule it out; ``True`` requires it; ``False`` keeps torch's default.
+            compile_backbone: ``torch.compile`` the backbone and its FPN for all input sizes
+                (``dynamic=True``; parameter names and checkpoints unchanged) when the trainer starts:
+                ``false`` (default), ``true`` (Inductor) or a backend name (``aot_eager``, ...). On a GPU
+                it fuses the backbone's many small kernels; the first size compiles for minutes on a CPU.
 
         Raises:
             ValueError: an unknown choice (the message names the option and lists the choices).
@@ -257,6 +263,7 @@ class DetectionTask(BaseTask):
         ):
             raise ValueError(f"size_divisibility must be a positive int (option 'size_divisibility'), got {size_divisibility!r}")
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
+        check_compile_option(compile_backbone)
         self.save_hyperparameters()
         self.label_to_category_id: dict[int, int] = {}
         self.category_names: dict[int, str] = {}

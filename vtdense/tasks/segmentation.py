@@ -25,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
 
+from vtdense.models.compile import check_compile_option
 from vtdense.models.segmentation import ARCHITECTURES, FCNHead, build_segmentor
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import adamw, apply_layer_decay, layer_ids, param_groups, warmup_schedule
@@ -98,6 +99,10 @@ class SegmentationTask(BaseTask):
         fused_optimizer: torch's fused AdamW step: ``None`` (auto) uses it on CPUs and GPUs unless
             gradient clipping under mixed precision or fp16 loss scaling rule it out; ``True``
             requires it; ``False`` keeps torch's default.
+        compile_backbone: ``torch.compile`` the backbone (the SMP encoder) for all input sizes
+            (``dynamic=True``; parameter names and checkpoints unchanged) when the trainer starts:
+            ``false`` (default), ``true`` (Inductor) or a backend name (``aot_eager``, ...). On a GPU it
+            fuses the backbone's many small kernels; the first size compiles for minutes on a CPU.
     """
 
     monitor = "val/mIoU"
@@ -134,9 +139,11 @@ class SegmentationTask(BaseTask):
         nonfinite_loss: str = "error",
         checkpoint_every_n_steps: int | None = None,
         fused_optimizer: bool | None = None,
+        compile_backbone: bool | str = False,
     ) -> None:
         super().__init__()
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
+        check_compile_option(compile_backbone)
         self.save_hyperparameters()
         if arch.lower() not in ARCHITECTURES:
             raise ValueError(f"model.arch: unknown architecture {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")

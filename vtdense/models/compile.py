@@ -1,0 +1,118 @@
+"""``torch.compile`` of the backbone part of a dense model, for any input size.
+
+A detector's heads (torchvision's RPN, RoI sampling, NMS) and a segmentor's loss run
+data-dependent Python that compiles poorly; the backbone (with the detector's FPN) is where the
+kernels are many and small. :func:`compile_backbone` compiles that part alone, in place
+(``nn.Module.compile``, so parameter names and checkpoints are unchanged) and with
+``dynamic=True``: vtdense keeps its size-dependent Python (window masks, index tables) out of the
+traced graph, so multi-scale training compiles once for every size instead of once per shape.
+
+On a GPU this fuses the many elementwise kernels (casts, adds, norms) of each block, which is
+what a host-bound bf16 detector step spends its time launching. On a CPU the backbone is
+matmul-bound and compiling gains little.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["check_compile_option", "compile_backbone", "backbone_module", "is_compiled"]
+
+
+def _backends(everything: bool = True) -> list[str]:
+    """Registered ``torch.compile`` backends; ``everything=False``: those torch lists by default
+    (no debugging or testing backends) plus the two that capture without code generation."""
+    import torch._dynamo
+
+    if everything:
+        return sorted(torch._dynamo.list_backends(exclude_tags=()))
+    return sorted({*torch._dynamo.list_backends(), "aot_eager", "eager"})
+
+
+def check_compile_option(value: Any, option: str = "compile_backbone") -> str | None:
+    """The ``torch.compile`` backend ``value`` asks for: ``None`` / ``False`` -> ``None`` (eager),
+    ``True`` -> ``"inductor"``, a string -> that backend (``"inductor"``, ``"aot_eager"``, ``"eager"``, ...).
+
+    Raises:
+        ValueError: ``value`` is neither a bool nor a registered backend name (the message names
+            ``option`` and lists the backends).
+    """
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "inductor"
+    if isinstance(value, str):
+        name = value.strip()
+        if name.lower() in ("false", "none", "off", ""):
+            return None
+        if name.lower() in ("true", "on"):
+            return "inductor"
+        if name in _backends():
+            return name
+        raise ValueError(
+            f"{option}={value!r} is not a torch.compile backend; use true (inductor), false, or a backend "
+            f"such as {', '.join(_backends(everything=False))}"
+        )
+    raise ValueError(f"{option} must be a bool or a torch.compile backend name, got {type(value).__name__} {value!r}")
+
+
+def backbone_module(model: nn.Module) -> nn.Module:
+    """The part of a dense model that :func:`compile_backbone` compiles.
+
+    - a torchvision detector from :func:`vtdense.models.detection.build_detector`: ``model.backbone``
+      (the vtdense backbone and its FPN);
+    - an SMP model from :func:`vtdense.models.segmentation.build_segmentor`: ``model.encoder``;
+    - a bare vtdense backbone: the model itself.
+    """
+    for name in ("backbone", "encoder"):
+        part = getattr(model, name, None)
+        if isinstance(part, nn.Module):
+            return part
+    if hasattr(model, "out_strides"):
+        return model
+    raise ValueError(f"{type(model).__name__} has no 'backbone' or 'encoder' module to compile")
+
+
+def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", **kwargs: Any) -> nn.Module:
+    """Compile the backbone part of ``model`` (see :func:`backbone_module`) in place, for all sizes.
+
+    Args:
+        model: a detector, a segmentor or a backbone; its ``state_dict`` keys do not change.
+        backend: a ``torch.compile`` backend, or a value of :func:`check_compile_option`
+            (``True``: inductor; ``None`` / ``False``: leave eager).
+        **kwargs: more ``torch.compile`` options (``mode``, ``fullgraph``, ...); ``dynamic``
+            defaults to ``True``.
+
+    Returns:
+        The compiled module (the same object, now running compiled). Its inputs are ``(B, 3, H, W)``
+        images of any size its backbone accepts; outputs are the backbone's (FPN's) maps.
+
+    Example:
+        >>> import vtdense
+        >>> from vtdense.models.detection import build_detector
+        >>> det = build_detector("swin_tiny", "faster_rcnn", 3, backbone_kwargs=dict(embed_dim=16, depths=[1, 1, 1, 1],
+        ...                      num_heads=[1, 1, 1, 1]), fpn_channels=16, slim_heads=True)
+        >>> part = compile_backbone(det, "eager")
+        >>> part is det.backbone
+        True
+    """
+    name = check_compile_option(backend, "backend")
+    part = backbone_module(model)
+    if name is None:
+        return part
+    kwargs.setdefault("dynamic", True)
+    part.compile(backend=name, **kwargs)
+    part._vtdense_compiled = name  # what is_compiled reports
+    return part
+
+
+def is_compiled(module: nn.Module) -> str | None:
+    """The backend :func:`compile_backbone` compiled ``module``'s backbone part with, or ``None``."""
+    try:
+        part = backbone_module(module)
+    except ValueError:
+        return None
+    return getattr(part, "_vtdense_compiled", None) if getattr(part, "_compiled_call_impl", None) is not None else None
+
