@@ -114,5 +114,6 @@ def is_compiled(module: nn.Module) -> str | None:
         part = backbone_module(module)
     except ValueError:
         return None
-    return getattr(part, "_vtdense_compiled", None) if getattr(part, "_compiled_call_impl", None) is not None else None
-
+    if getattr(part, "_compiled_call_impl", None) is None:  # never compiled, or compiled then reset
+        return None
+    return getattr(part, "_vtdense_compiled", None)
