@@ -7,7 +7,8 @@ fresh worker process can rebuild the same step to measure its peak memory.
 Contender names:
 
 - ``vtdense``, ``vtdense compiled`` (``torch.compile``; for a detector only its backbone + FPN, as
-  ``compile_backbone`` does), ``vtdense ckpt`` (``grad_checkpointing``),
+  ``compile_backbone`` does), ``vtdense ckpt`` (``grad_checkpointing``), ``vtdense unchunked``
+  (CPU inference with :func:`vtdense.layers.chunked.set_cpu_chunking` off, to show what chunks give),
   ``vtdense global`` (MViTv2 with global attention at detection sizes, for the scaling rows);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
@@ -86,7 +87,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
     import vtdense
 
     family = case["family"]
-    base = contender.replace(" compiled", "").replace(" ckpt", "")
+    base = contender.replace(" compiled", "").replace(" ckpt", "").replace(" unchunked", "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
 
@@ -197,8 +198,12 @@ def make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[],
     if mode == "infer":
         model.eval()
 
+        from vtdense.layers.chunked import cpu_chunking
+
+        chunking = not contender.endswith("unchunked")
+
         def infer_backbone() -> object:
-            with torch.inference_mode(), _autocast(case, device):
+            with torch.inference_mode(), _autocast(case, device), cpu_chunking(chunking):
                 return model(x)
 
         return infer_backbone

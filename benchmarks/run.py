@@ -74,10 +74,12 @@ def cases() -> list[dict[str, Any]]:
     c = _case
     cpu = [
         c("Swin-T inference, batch 8 at 224", "swin_t", "infer", 8, (224, 224),
-          ["vtdense", "vtdense compiled", *SWIN_PEERS, "timm compiled"], tier="quick", parity=True, compile_tier="full"),
+          ["vtdense", "vtdense unchunked", "vtdense compiled", *SWIN_PEERS, "timm compiled"], tier="quick", parity=True,
+          compile_tier="full"),
         c("SwinV2-T inference, batch 8 at 256", "swinv2_t", "infer", 8, (256, 256),
-          ["vtdense", "timm", "torchvision"], tier="quick", parity=True),
-        c("MViTv2-T inference, batch 8 at 224", "mvitv2_t", "infer", 8, (224, 224), ["vtdense", "timm"], tier="quick", parity=True),
+          ["vtdense", "vtdense unchunked", "timm", "torchvision"], tier="quick", parity=True),
+        c("MViTv2-T inference, batch 8 at 224", "mvitv2_t", "infer", 8, (224, 224), ["vtdense", "vtdense unchunked", "timm"],
+          tier="quick", parity=True),
         c("Swin-T train step, batch 2 at 512x768", "swin_t", "train", 2, (512, 768), ["vtdense", "vtdense ckpt", "timm", "timm fused"]),
         c("SwinV2-T train step, batch 2 at 512x768", "swinv2_t", "train", 2, (512, 768), ["vtdense", "vtdense ckpt", "timm"]),
         c("MViTv2-T (windows 56) train step, batch 2 at 512x768", "mvitv2_t", "train", 2, (512, 768),

@@ -54,6 +54,7 @@ from torch import Tensor, nn
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
+from vtdense.layers.chunked import chunking_applies, row_slices
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp
 from vtdense.layers.position import decomposed_rel_pos_bias
@@ -259,8 +260,29 @@ class MultiScaleBlock(nn.Module):
         self.mlp = Mlp(att_dim, int(att_dim * mlp_ratio), dim_out)
         self.drop_path2 = DropPath(drop_path)
 
+    def _forward_chunked(self, x: Tensor) -> Tensor:
+        """Inference on the CPU: attention over groups of whole images, the MLP over cache-sized
+        row chunks (:mod:`vtdense.layers.chunked`); the same values as the unchunked path."""
+        tokens = x[0].numel() // x.shape[-1]
+        y = None
+        for s in row_slices(x.shape[0], tokens * 3 * self.attn.dim_out * x.element_size(), min_rows=1):
+            x_norm = self.norm1(x[s])
+            shortcut = x[s] if self.shortcut_proj_attn is None else self.shortcut_proj_attn(x_norm)
+            if self.shortcut_pool_attn is not None:
+                shortcut = self.shortcut_pool_attn(shortcut.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
+            part = self.attn(x_norm)
+            if y is None:
+                y = part.new_empty((x.shape[0], *part.shape[1:]))
+            torch.add(shortcut, part, out=y[s])
+        if self.shortcut_proj_mlp is None:
+            return self.mlp.add_to_(y, norm=self.norm2)
+        x_norm = self.norm2(y)
+        return self.mlp.add_to_(self.shortcut_proj_mlp(x_norm), x=x_norm)
+
     def forward(self, x: Tensor) -> Tensor:
         """``(B, H, W, dim) -> (B, ceil(H/sq), ceil(W/sq), dim_out)``."""
+        if chunking_applies(x, self):
+            return self._forward_chunked(x)
         x_norm = self.norm1(x)
         shortcut = x if self.shortcut_proj_attn is None else self.shortcut_proj_attn(x_norm)
         if self.shortcut_pool_attn is not None:

@@ -27,10 +27,18 @@ from torch import Tensor, nn
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
+from vtdense.layers.chunked import chunking_applies, window_slices
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp, norm_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
-from vtdense.layers.windows import MASK_VALUE, effective_window, to_2tuple, window_attention_mask, window_token_index
+from vtdense.layers.windows import (
+    MASK_VALUE,
+    effective_window,
+    select_tokens,
+    to_2tuple,
+    window_attention_mask,
+    window_token_index,
+)
 
 __all__ = ["WindowAttention", "SwinBlock", "PatchMerging", "SwinTransformer"]
 
@@ -151,7 +159,10 @@ class WindowAttention(nn.Module):
             return full[..., :n]
         return torch.where(mask[:, None], MASK_VALUE, bias)
 
-    def forward(self, x: Tensor, window: tuple[int, int], mask: Tensor | None = None, norm: nn.Module | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, window: tuple[int, int], mask: Tensor | None = None, norm: nn.Module | None = None,
+        term: Tensor | None = None,
+    ) -> Tensor:
         """Attend within windows.
 
         Args:
@@ -159,6 +170,8 @@ class WindowAttention(nn.Module):
             window: the window ``(h, w)`` in use (``N = h * w``).
             mask: boolean ``(nW, N, N)`` shift/padding mask (True = blocked) or ``None``.
             norm: V1's pre-norm, applied to ``x`` first (fused with the qkv projection).
+            term: the additive term of these windows, from :meth:`attn_term` (then ``mask`` is
+                not used): ``(heads, N, N)`` or ``(nW, heads, N, N)``.
         """
         B, nW, N, C = x.shape
         h = self.num_heads
@@ -170,7 +183,8 @@ class WindowAttention(nn.Module):
         else:
             qkv = self.qkv(x)
         qkv = qkv.view(B, nW, N, 3, h, C // h)
-        term = self.attn_term(window, mask, qkv.dtype, x.device)
+        if term is None:
+            term = self.attn_term(window, mask, qkv.dtype, x.device)
         dropout = self.attn_drop if self.training else 0.0
         if self.cosine:
             # Scaled cosine attention, fused: one pass scales q by logit_scale / |q| and k by 1 / |k|.
@@ -250,11 +264,32 @@ class SwinBlock(nn.Module):
         gather, scatter = window_token_index(H, W, window, shift, x.device)
         mask = window_attention_mask(H, W, window, shift, x.device)
         n = window[0] * window[1]
-        windows = x.reshape(B, H * W, C).index_select(1, gather).view(B, -1, n, C)
+        windows = select_tokens(x.reshape(B, H * W, C), gather).view(B, -1, n, C)
         out = self.attn(windows, window, mask, norm=norm)
-        return out.view(B, -1, C).index_select(1, scatter).view(B, H, W, C)
+        return select_tokens(out.reshape(B, -1, C), scatter).view(B, H, W, C)
+
+    def _forward_chunked(self, x: Tensor) -> Tensor:
+        """Inference on the CPU over cache-sized chunks of windows, then of tokens (see
+        :mod:`vtdense.layers.chunked`); the same values as :meth:`forward`'s unchunked path."""
+        B, H, W, C = x.shape
+        window, shift = effective_window((H, W), self.window_size, self.shift_size)
+        gather, scatter = window_token_index(H, W, window, shift, x.device)
+        mask = window_attention_mask(H, W, window, shift, x.device)
+        n = window[0] * window[1]
+        windows = select_tokens(x.reshape(B, H * W, C), gather).view(B, -1, n, C)
+        term = self.attn.attn_term(window, mask, x.dtype, x.device)
+        pre = None if self.post_norm else self.norm1
+        for images, wins in window_slices(B, windows.shape[1], n, 3 * C * x.element_size()):
+            part = windows[images, wins]
+            out = self.attn(part, window, norm=pre, term=term[wins] if term.dim() == 4 else term)
+            part.copy_(self.norm1(out) if self.post_norm else out)  # each chunk is read before it is overwritten
+        y = select_tokens(windows.view(B, -1, C), scatter).add_(x.reshape(B, H * W, C)).view(B, H, W, C)
+        y = self.mlp.add_to_(y, post_norm=self.norm2) if self.post_norm else self.mlp.add_to_(y, norm=self.norm2)
+        return self.norm3(y) if self.norm3 is not None else y
 
     def forward(self, x: Tensor) -> Tensor:
+        if chunking_applies(x, self):
+            return self._forward_chunked(x)
         if self.post_norm:
             x = x + self.drop_path1(self.norm1(self._window_attention(x)))
             x = x + self.drop_path2(self.norm2(self.mlp(x)))

@@ -121,6 +121,34 @@ def _term_dtype(q: Tensor, backend: str) -> torch.dtype:
     return q.dtype
 
 
+def _image_by_image(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
+    """CPU inference with a per-window term: SDPA's CPU kernel reads strided ``q, k, v`` and a
+    ``(nW, heads, N, N)`` term in place, so calling it image by image copies nothing, where
+    folding the windows into the heads copies ``q``, ``k``, ``v`` and the output."""
+    if q.device.type != "cpu" or q.dim() != 5 or mask.shape[0] != q.shape[1]:
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or mask.requires_grad):
+        return False
+    return not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+                or torch.jit.is_scripting())
+
+
+def _sdpa_image_by_image(q: Tensor, k: Tensor, v: Tensor, term: Tensor, scale: float) -> Tensor:
+    """``q``: ``(B, nW, heads, N, d)``, ``term``: ``(nW, heads, N, N)``; one SDPA call per image.
+    The result is ``(B, nW, heads, N, dv)`` laid out as ``(B, nW, N, heads, dv)`` (the kernel's
+    own output layout), so merging the heads back into channels is a view."""
+    first = F.scaled_dot_product_attention(q[0], k[0], v[0], attn_mask=term, scale=scale)
+    if q.shape[0] == 1:
+        return first.unsqueeze(0)
+    B, nW, h, nq = q.shape[:4]
+    out = first.new_empty(B, nW, nq, h, v.shape[-1])
+    out[0].copy_(first.transpose(1, 2))
+    del first
+    for i in range(1, B):
+        out[i].copy_(F.scaled_dot_product_attention(q[i], k[i], v[i], attn_mask=term, scale=scale).transpose(1, 2))
+    return out.transpose(2, 3)
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -152,7 +180,10 @@ def attention(
     nk = k.shape[-2]
     scale = d**-0.5 if scale is None else scale
     dtype = _term_dtype(q, backend)
-    fold = _FOLD_WINDOWS and mask is not None and mask.dim() == 4 < q.dim() and mask.shape[0] > 1
+    per_window = mask is not None and mask.dim() == 4 < q.dim() and mask.shape[0] > 1
+    if per_window and backend == "sdpa" and _image_by_image(q, k, v, mask):
+        return _sdpa_image_by_image(q, k, v, mask.to(dtype), scale)
+    fold = _FOLD_WINDOWS and per_window
     if fold:
         # Per-window term: fold the windows into the heads, (B, nW*h, N, d), so the term is one
         # (1, nW*h, N, N) tensor broadcast over the batch (no copy of it per image).

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vtdense.layers.chunked import row_slices
+
 __all__ = ["Mlp", "gelu_linear", "norm_linear"]
 
 
@@ -136,3 +138,21 @@ class Mlp(nn.Module):
             return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
         h = norm_linear(x, norm, self.fc1) if norm is not None else self.fc1(x)
         return self.drop(gelu_linear(h, self.fc2))
+
+    def add_to_(self, y: Tensor, x: Tensor | None = None, norm: nn.Module | None = None,
+                post_norm: nn.Module | None = None) -> Tensor:
+        """Inference only: ``y += mlp(norm(x))``, or ``y += post_norm(mlp(x))``, in place and over
+        cache-sized row chunks (:mod:`vtdense.layers.chunked`); ``x`` defaults to ``y`` itself
+        (each chunk is read before it is updated). The values equal the unchunked residual
+        ``y + mlp(...)``. ``y``: ``(..., out_dim)`` that the caller owns, made contiguous if it is
+        not; ``x``: ``(..., dim)`` with the same leading shape. Returns ``y``. Callers check
+        :func:`~vtdense.layers.chunked.chunking_applies` first."""
+        y = y.contiguous()
+        rows = y.view(-1, y.shape[-1])
+        src = rows if x is None else x.reshape(-1, x.shape[-1])
+        for sl in row_slices(rows.shape[0], self.fc1.out_features * y.element_size()):
+            r = src[sl]
+            h = self.fc1(norm(r) if norm is not None else r)
+            t = self.fc2(torch.ops.aten.gelu_(h))
+            rows[sl].add_(post_norm(t) if post_norm is not None else t)
+        return y

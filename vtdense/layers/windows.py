@@ -26,6 +26,7 @@ __all__ = [
     "window_reverse",
     "window_attention_mask",
     "window_token_index",
+    "select_tokens",
 ]
 
 #: Additive value for masked logits. Finite (a fully masked row of a padded query stays
@@ -221,3 +222,22 @@ def window_token_index(
     if torch.compiler.is_compiling():
         return _outside_graph_index(H, W, tuple(window), tuple(shift), torch.device(device))
     return _token_index_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
+
+
+def select_tokens(x: Tensor, index: Tensor) -> Tensor:
+    """``x[:, index]`` for ``x`` of ``(B, L, C)``: ``(B, len(index), C)``, e.g. with the indices of
+    :func:`window_token_index`.
+
+    Eagerly on the CPU it gathers whole rows of one ``(B * L, C)`` matrix (index_select along
+    dim 0, a row-by-row copy, about 1.7x faster there than along dim 1). GPUs, and traced graphs
+    (compile, export, TorchScript), whose batch dimension stays symbolic, keep ``index_select``
+    along dim 1.
+    """
+    if (x.device.type != "cpu" or torch.compiler.is_compiling() or torch.compiler.is_exporting()
+            or torch.jit.is_tracing() or torch.jit.is_scripting() or not x.is_contiguous()):
+        return x.index_select(1, index)
+    B, L, C = x.shape
+    if B == 1:
+        return x.view(L, C).index_select(0, index).unsqueeze(0)
+    flat = (torch.arange(B, device=index.device) * L).unsqueeze(1) + index
+    return x.view(B * L, C).index_select(0, flat.view(-1)).view(B, -1, C)

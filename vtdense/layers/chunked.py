@@ -1,0 +1,96 @@
+"""CPU inference in cache-sized chunks.
+
+A transformer block does most of its work token by token (LayerNorm, the projections, the MLP)
+or window by window (windowed attention). In inference nothing ties one slice of rows to another,
+so on the CPU the backbones run a block over slices whose temporaries stay a few MiB: the MLP's
+hidden activation, ``qkv`` and the attention output then live in cache between the matmul that
+writes them and the op that reads them, and the allocator reuses their memory instead of mapping
+fresh pages. Without chunks, the stage-1 MLP hidden of Swin-T at batch 8 and 224 px is a 38 MiB
+tensor, which glibc maps anew on every allocation: about 9,400 page faults (a few ms each time
+on a virtual machine) before a single FLOP, twice per block.
+
+The rows go through the same operations in the same order, so the results equal the unchunked
+ones (the tests compare them exactly). The chunked path is taken only where it cannot change
+anything but speed: on the CPU, with no gradient needed, outside autocast, and outside
+``torch.compile``, ``torch.export`` and TorchScript tracing (ONNX export), whose graphs keep the
+whole-tensor form. :func:`set_cpu_chunking` switches it off (for benchmarks and comparisons).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "row_slices", "window_slices"]
+
+#: Target size of the largest temporary of one chunk (bytes). A few MiB keeps it in the L2/L3
+#: caches of current CPUs and well under glibc's 32 MiB ceiling for reusing freed memory.
+CHUNK_BYTES = 8 << 20
+#: Fewest rows a chunk is cut to: below this the matmuls lose more to their own overhead than
+#: the cache gains.
+MIN_ROWS = 256
+
+_enabled = True
+
+
+def set_cpu_chunking(enabled: bool) -> None:
+    """Switch chunked CPU inference on (the default) or off for every vtdense backbone."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+@contextlib.contextmanager
+def cpu_chunking(enabled: bool) -> Iterator[None]:
+    """Context-manager form of :func:`set_cpu_chunking`."""
+    old = _enabled
+    set_cpu_chunking(enabled)
+    try:
+        yield
+    finally:
+        set_cpu_chunking(old)
+
+
+def chunking_applies(x: Tensor, module: nn.Module) -> bool:
+    """Whether ``module`` may run ``x`` in chunks: eval mode (dropout and drop path are identity),
+    on the CPU, no gradient to ``x`` or to any of ``module``'s parameters, autocast off, and not
+    inside a compiler, exporter or tracer."""
+    if not _enabled or module.training or x.device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters())):
+        return False
+    if torch.is_autocast_enabled("cpu"):
+        return False
+    return not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+                or torch.jit.is_scripting())
+
+
+def _even_slices(n: int, per: int) -> list[slice]:
+    """``range(n)`` in the fewest near-equal slices of at most ``per`` (>= 1) items."""
+    parts = max(1, -(-n // max(per, 1)))
+    size = -(-n // parts)
+    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def row_slices(n_rows: int, bytes_per_row: int, budget: int | None = None, min_rows: int | None = None) -> list[slice]:
+    """Slices covering ``range(n_rows)`` with about ``budget`` (default :data:`CHUNK_BYTES`)
+    bytes of ``bytes_per_row`` each, at least ``min_rows`` (default :data:`MIN_ROWS`) rows, in
+    near-equal parts."""
+    budget = CHUNK_BYTES if budget is None else budget
+    min_rows = MIN_ROWS if min_rows is None else min_rows
+    return _even_slices(n_rows, max(min_rows, budget // max(bytes_per_row, 1)))
+
+
+def window_slices(batch: int, windows: int, rows_per_window: int, bytes_per_row: int,
+                  budget: int | None = None) -> list[tuple[slice, slice]]:
+    """``(images, windows)`` slice pairs covering a ``(batch, windows, rows_per_window, ...)``
+    tensor, each a contiguous block of about ``budget`` bytes (at least :data:`MIN_ROWS` rows):
+    whole images, one or more, when an image fits, else runs of windows inside one image."""
+    budget = CHUNK_BYTES if budget is None else budget
+    per = max(-(-MIN_ROWS // rows_per_window), budget // max(rows_per_window * bytes_per_row, 1))
+    if per >= windows:
+        return [(s, slice(0, windows)) for s in _even_slices(batch, per // windows)]
+    runs = _even_slices(windows, per)
+    return [(slice(b, b + 1), w) for b in range(batch) for w in runs]
