@@ -6,7 +6,10 @@ A backbone's forward (inference) and its forward plus backward (training step) r
 - fused: ``_scaled_dot_product_efficient_attention``, ``_scaled_dot_product_flash_attention``,
   ``_scaled_dot_product_cudnn_attention``, ``_flash_attention_forward``,
   ``_scaled_dot_product_flash_attention_for_cpu``, FlexAttention's kernels, and their backwards;
-- math fallback: ``_scaled_dot_product_attention_math`` (SDPA's unfused path).
+- math fallback: ``_scaled_dot_product_attention_math`` (SDPA's unfused path);
+- CPU batched matmuls: ``vtdense::window_attention_bmm``, the profiler label of vtdense's fp32 CPU
+  inference path for window attention (``baddbmm`` + softmax + ``bmm`` per image, faster than
+  SDPA's CPU flash kernel at window sizes; see ``vtdense.layers.attention``).
 
 The report lists the counts per pass and the number of calls that fell back to the math path (0
 is the target in bf16 on a GPU). vtdense's own explicit math backend (``set_attention_backend
@@ -31,6 +34,8 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from vtdense.layers.attention import BMM_LABEL  # noqa: E402
+
 FUSED = ("efficient_attention", "flash_attention", "cudnn_attention", "flex_attention", "fused_attention")
 MATH = ("_scaled_dot_product_attention_math",)
 
@@ -39,7 +44,9 @@ CASES = {"swin_tiny": ((224, 224), 64), "swinv2_tiny": ((256, 256), 64), "mvitv2
 
 
 def classify(name: str) -> str | None:
-    """``"math"``, ``"fused"`` or ``None`` (not an attention kernel) for an ATen op name."""
+    """``"math"``, ``"fused"``, ``"cpu-bmm"`` or ``None`` (not an attention kernel) for an op name."""
+    if name == BMM_LABEL:
+        return "cpu-bmm"
     if any(m in name for m in MATH):
         return "math"
     if name.startswith("aten::") and any(f in name for f in FUSED):

@@ -140,8 +140,9 @@ def test_mask_blocks_regions_and_padding() -> None:
 
 @pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny", "mvitv2_tiny", "mvitv2_tiny-windows"])
 def test_inference_runs_sdpa_fused_kernel_in_every_attention_call(name: str) -> None:
-    """The profiler sees SDPA's fused CPU kernel in every attention call of inference, fp32 and bf16
-    autocast, masked / shifted / padded blocks included, and never SDPA's math fallback (what
+    """The profiler sees SDPA's fused CPU kernel (or, for Swin in fp32, vtdense's batched-matmul
+    window path) in every attention call of inference, fp32 and bf16 autocast, masked / shifted /
+    padded blocks included, and never SDPA's math fallback (what
     ``benchmarks/attention_kernels.py`` reports for full-size models)."""
     import sys
     from pathlib import Path
@@ -162,8 +163,11 @@ def test_inference_runs_sdpa_fused_kernel_in_every_attention_call(name: str) -> 
 
         infer()
         counts = kernel_counts(infer, "cpu")
-        assert {classify(k) for k in counts} == {"fused"}, (dtype, counts)
-        # fp32 inference calls the kernel once per image (and chunk) for masked window blocks
+        # fp32 Swin inference runs windows as batched matmuls (faster than SDPA's CPU kernel at
+        # window sizes); under autocast, and for MViTv2, SDPA's fused kernel. Never its math fallback.
+        allowed = {"fused", "cpu-bmm"} if dtype == torch.float32 and name.startswith("swin") else {"fused"}
+        assert {classify(k) for k in counts} <= allowed and counts, (dtype, counts)
+        # window attention runs once per image and chunk in CPU inference: at least once per block
         assert sum(counts.values()) >= calls, (dtype, counts)
 
 
