@@ -255,16 +255,21 @@ class SwinBlock(nn.Module):
         # Swin V2's extra main-branch norm (used every few blocks in the largest models).
         self.norm3 = nn.LayerNorm(dim) if extra_norm else None
 
+    def _partition(self, x: Tensor) -> tuple[Tensor, tuple[int, int], Tensor | None, Tensor]:
+        """``(B, H, W, C)`` -> ``(windows (B, nW, N, C), window, mask, scatter)``: roll, padding and
+        partition in one gather; ``scatter`` undoes them (with crop) in another."""
+        B, H, W, C = x.shape
+        window, shift = effective_window((H, W), self.window_size, self.shift_size)
+        gather, scatter = window_token_index(H, W, window, shift, x.device)
+        mask = window_attention_mask(H, W, window, shift, x.device)
+        windows = select_tokens(x.reshape(B, H * W, C), gather).view(B, -1, window[0] * window[1], C)
+        return windows, window, mask, scatter
+
     def _window_attention(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
         """Windowed attention over ``(B, H, W, C)``; ``norm`` is applied per token after the
         window gather (the same thing, fused with the qkv projection)."""
         B, H, W, C = x.shape
-        window, shift = effective_window((H, W), self.window_size, self.shift_size)
-        # Roll, padding and partition are one gather; reverse, roll back and crop another.
-        gather, scatter = window_token_index(H, W, window, shift, x.device)
-        mask = window_attention_mask(H, W, window, shift, x.device)
-        n = window[0] * window[1]
-        windows = select_tokens(x.reshape(B, H * W, C), gather).view(B, -1, n, C)
+        windows, window, mask, scatter = self._partition(x)
         out = self.attn(windows, window, mask, norm=norm)
         return select_tokens(out.reshape(B, -1, C), scatter).view(B, H, W, C)
 
@@ -272,11 +277,8 @@ class SwinBlock(nn.Module):
         """Inference on the CPU over cache-sized chunks of windows, then of tokens (see
         :mod:`vtdense.layers.chunked`); the same values as :meth:`forward`'s unchunked path."""
         B, H, W, C = x.shape
-        window, shift = effective_window((H, W), self.window_size, self.shift_size)
-        gather, scatter = window_token_index(H, W, window, shift, x.device)
-        mask = window_attention_mask(H, W, window, shift, x.device)
-        n = window[0] * window[1]
-        windows = select_tokens(x.reshape(B, H * W, C), gather).view(B, -1, n, C)
+        windows, window, mask, scatter = self._partition(x)
+        n = windows.shape[2]
         term = self.attn.attn_term(window, mask, x.dtype, x.device)
         pre = None if self.post_norm else self.norm1
         for images, wins in window_slices(B, windows.shape[1], n, 3 * C * x.element_size()):

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vtdense.layers.chunked import tracing
+
 __all__ = ["attention", "set_attention_backend", "attention_backend", "get_attention_backend", "flex_available"]
 
 _BACKENDS = ("sdpa", "flex", "math")
@@ -132,8 +134,7 @@ def _image_by_image(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
         return False
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or mask.requires_grad):
         return False
-    return not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-                or torch.jit.is_scripting())
+    return not tracing()
 
 
 def _attention_image_by_image(q: Tensor, k: Tensor, v: Tensor, term: Tensor, scale: float) -> Tensor:

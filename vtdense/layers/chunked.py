@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "row_slices", "window_slices"]
+__all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "row_slices", "window_slices", "tracing"]
 
 #: Target size of the largest temporary of one chunk (bytes). A few MiB keeps it in the L2/L3
 #: caches of current CPUs and well under glibc's 32 MiB ceiling for reusing freed memory.
@@ -53,6 +53,13 @@ def cpu_chunking(enabled: bool) -> Iterator[None]:
         set_cpu_chunking(old)
 
 
+def tracing() -> bool:
+    """Whether a graph is being built (``torch.compile``, ``torch.export``, TorchScript tracing or
+    scripting): eager-only shortcuts must then keep the plain, shape-generic form."""
+    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+            or torch.jit.is_scripting())
+
+
 def chunking_applies(x: Tensor, module: nn.Module) -> bool:
     """Whether ``module`` may run ``x`` in chunks: eval mode (dropout and drop path are identity),
     on the CPU, no gradient to ``x`` or to any of ``module``'s parameters, autocast off, and not
@@ -63,8 +70,7 @@ def chunking_applies(x: Tensor, module: nn.Module) -> bool:
         return False
     if torch.is_autocast_enabled("cpu"):
         return False
-    return not (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-                or torch.jit.is_scripting())
+    return not tracing()
 
 
 def _even_slices(n: int, per: int) -> list[slice]:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vtdense.layers.chunked import tracing
+
 __all__ = [
     "MASK_VALUE",
     "to_2tuple",
@@ -233,8 +235,7 @@ def select_tokens(x: Tensor, index: Tensor) -> Tensor:
     (compile, export, TorchScript), whose batch dimension stays symbolic, keep ``index_select``
     along dim 1.
     """
-    if (x.device.type != "cpu" or torch.compiler.is_compiling() or torch.compiler.is_exporting()
-            or torch.jit.is_tracing() or torch.jit.is_scripting() or not x.is_contiguous()):
+    if x.device.type != "cpu" or tracing() or not x.is_contiguous():
         return x.index_select(1, index)
     B, L, C = x.shape
     if B == 1:
