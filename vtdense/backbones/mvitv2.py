@@ -266,8 +266,9 @@ class MultiScaleBlock(nn.Module):
         tokens = x[0].numel() // x.shape[-1]
         y = None
         for s in row_slices(x.shape[0], tokens * 3 * self.attn.dim_out * x.element_size(), min_rows=1):
-            x_norm = self.norm1(x[s])
-            shortcut = x[s] if self.shortcut_proj_attn is None else self.shortcut_proj_attn(x_norm)
+            xs = x[s]
+            x_norm = self.norm1(xs)
+            shortcut = xs if self.shortcut_proj_attn is None else self.shortcut_proj_attn(x_norm)
             if self.shortcut_pool_attn is not None:
                 shortcut = self.shortcut_pool_attn(shortcut.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
             part = self.attn(x_norm)

@@ -15,6 +15,8 @@ Three interchangeable paths compute it (same outputs to float rounding):
 Windowed callers pass ``q, k, v`` as ``(B, nW, heads, N, d)`` and a per-window term
 ``(nW, heads, N, N)``. The windows are then folded into the head dimension, ``(B, nW*heads, N, d)``,
 so the term is one ``(1, nW*heads, N, N)`` tensor that broadcasts over the batch without a copy.
+CPU inference (no gradient, not traced) instead runs such calls image by image, reading the term
+and the strided ``q, k, v`` in place (``baddbmm`` + softmax + ``bmm`` without autocast).
 """
 
 from __future__ import annotations
