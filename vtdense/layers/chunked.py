@@ -24,7 +24,8 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "row_slices", "window_slices", "tracing"]
+__all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "training_chunking_applies",
+           "row_slices", "window_slices", "tracing"]
 
 #: Target size of the largest temporary of one chunk (bytes). A few MiB keeps it in the L2/L3
 #: caches of current CPUs and well under glibc's 32 MiB ceiling for reusing freed memory.
@@ -37,7 +38,8 @@ _enabled = True
 
 
 def set_cpu_chunking(enabled: bool) -> None:
-    """Switch chunked CPU inference on (the default) or off for every vtdense backbone."""
+    """Switch the chunked CPU paths (inference, and the MLP of training steps) on (the default)
+    or off for every vtdense backbone."""
     global _enabled
     _enabled = bool(enabled)
 
@@ -71,6 +73,15 @@ def chunking_applies(x: Tensor, module: nn.Module) -> bool:
     if torch.is_autocast_enabled("cpu"):
         return False
     return not tracing()
+
+
+def training_chunking_applies(x: Tensor) -> bool:
+    """Whether a training-step op on ``x`` may run in chunks with its own backward
+    (:mod:`vtdense.layers.chunked_mlp`): on the CPU with gradients enabled, autocast off, and not
+    inside a compiler, exporter or tracer."""
+    if not _enabled or x.device.type != "cpu" or not torch.is_grad_enabled():
+        return False
+    return not torch.is_autocast_enabled("cpu") and not tracing()
 
 
 def _even_slices(n: int, per: int) -> list[slice]:

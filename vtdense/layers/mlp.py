@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vtdense.layers.chunked import row_slices
+from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
 
 __all__ = ["Mlp", "gelu_linear", "norm_linear"]
 
@@ -100,11 +101,14 @@ class _NormLinear(torch.autograd.Function):
         return grads_in[0], grads_in[1], grads_in[2], None, grad_w, grad_b
 
 
+def _is_last_dim_layer_norm(norm: nn.Module) -> bool:
+    return isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1
+
+
 def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     """``linear(norm(x))``; when training eagerly it stores only ``x`` for the backward pass
     (the norm is recomputed there). ``x``: ``(..., in)`` -> ``(..., out)``."""
-    if (torch.is_grad_enabled() and not torch.compiler.is_compiling() and isinstance(norm, nn.LayerNorm)
-            and len(norm.normalized_shape) == 1):
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and _is_last_dim_layer_norm(norm):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     return linear(norm(x))
 
@@ -113,7 +117,9 @@ class Mlp(nn.Module):
     """Two-layer GELU MLP (names ``fc1``/``fc2`` as in timm), optionally changing the width.
 
     Training without dropout keeps only ``fc1``'s output for the backward pass and recomputes
-    the GELU (see :func:`gelu_linear`); the results are the same.
+    the GELU (see :func:`gelu_linear`); the results are the same. On the CPU outside autocast the
+    whole MLP, forward and backward, runs over cache-sized row chunks
+    (:func:`~vtdense.layers.chunked_mlp.chunked_mlp`).
 
     Args:
         dim: input channels.
@@ -136,6 +142,8 @@ class Mlp(nn.Module):
         if self.drop.p and self.training:
             x = norm(x) if norm is not None else x
             return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+        if (norm is None or _is_last_dim_layer_norm(norm)) and chunked_mlp_applies(x, self.fc1.out_features):
+            return self.drop(chunked_mlp(x, self.fc1, self.fc2, norm))
         h = norm_linear(x, norm, self.fc1) if norm is not None else self.fc1(x)
         return self.drop(gelu_linear(h, self.fc2))
 

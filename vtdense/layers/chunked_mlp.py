@@ -1,0 +1,140 @@
+"""The MLP's CPU training step in cache-sized row chunks.
+
+``fc2(gelu(fc1(norm(x))))`` is computed, forward and backward, over slices of rows
+(:func:`~vtdense.layers.chunked.row_slices`): only ``x`` and the ``fc1`` output ``h`` are kept for
+the backward pass (as :func:`~vtdense.layers.mlp.norm_linear` and
+:func:`~vtdense.layers.mlp.gelu_linear` keep them), and every other hidden-width tensor of the
+step (the GELU output, its gradient, the gradient of ``h``, the recomputed norm) exists one chunk
+at a time. On the CPU that keeps them in cache between the matmul that writes them and the op
+that reads them, and it spares the allocator the large blocks that glibc maps afresh (and the
+kernel faults in page by page) each time: the stage-1 MLP of Swin-T at batch 2 and 512x768 made
+five 72 MiB tensors per block and step. :func:`chunked_mlp_applies` takes this path only for
+hidden activations of :data:`TRAIN_CHUNK_MIN_BYTES` or more; smaller ones run whole.
+
+The values are those of plain autograd over the same operations; the weight gradients are sums
+over chunks (``addmm_``), which changes only the order of a float sum. ``h`` is kept as one
+tensor per chunk, so no single allocation is hidden-width x all rows either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from vtdense.layers.chunked import row_slices, training_chunking_applies
+
+__all__ = ["TRAIN_CHUNK_BYTES", "TRAIN_CHUNK_MIN_BYTES", "chunked_mlp", "chunked_mlp_applies"]
+
+#: Target size (bytes) of one chunk's hidden-width temporaries in a training step: small enough
+#: for the L2/L3 caches, large enough that the matmuls keep their speed.
+TRAIN_CHUNK_BYTES = 4 << 20
+#: Smallest hidden activation (bytes, all rows) worth chunking: glibc serves smaller blocks from
+#: memory it already has, and below this the whole-tensor path (one matmul per weight) is as fast.
+TRAIN_CHUNK_MIN_BYTES = 32 << 20
+
+
+def _accumulate(acc: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
+    """``acc + a @ b`` in place (``a @ b`` for the first chunk)."""
+    return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
+
+
+def _add(acc: Tensor | None, t: Tensor) -> Tensor:
+    return t if acc is None else acc.add_(t)
+
+
+class _ChunkedMlp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, norm_w: Tensor | None, norm_b: Tensor | None, eps: float, has_norm: bool,
+                w1: Tensor, b1: Tensor | None, w2: Tensor, b2: Tensor | None, budget: int) -> Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = rows.new_empty((rows.shape[0], w2.shape[0]))
+        slices = row_slices(rows.shape[0], w1.shape[0] * rows.element_size(), budget)
+        hs = []
+        for sl in slices:
+            r = rows[sl]
+            if has_norm:
+                r = F.layer_norm(r, r.shape[-1:], norm_w, norm_b, eps)
+            h = F.linear(r, w1, b1)
+            hs.append(h)
+            if b2 is not None:
+                torch.addmm(b2, F.gelu(h), w2.t(), out=out[sl])
+            else:
+                torch.mm(F.gelu(h), w2.t(), out=out[sl])
+        ctx.save_for_backward(rows, norm_w, norm_b, w1, b1, w2, *hs)
+        ctx.slices, ctx.eps, ctx.has_norm, ctx.in_shape = slices, eps, has_norm, x.shape
+        ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
+        return out.view(*x.shape[:-1], w2.shape[0])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        rows, norm_w, norm_b, w1, b1, w2, *hs = ctx.saved_tensors
+        need_x, need_nw, need_nb, _, _, need_w1, need_b1, need_w2, need_b2, _ = ctx.needs_input_grad
+        need_nw, need_nb = need_nw and ctx.has_norm, need_nb and ctx.has_norm
+        need_h = need_x or need_nw or need_nb or need_w1 or need_b1
+        g_out = grad.reshape(-1, grad.shape[-1])
+        g_rows = torch.empty_like(rows) if need_x else None
+        g_nw = g_nb = g_w1 = g_b1 = g_w2 = g_b2 = None
+        C = rows.shape[-1]
+        for sl, h in zip(ctx.slices, hs):
+            go = g_out[sl]
+            if need_w2:
+                g_w2 = _accumulate(g_w2, go.t(), F.gelu(h))
+            if need_b2 and ctx.has_b2:
+                g_b2 = _add(g_b2, go.sum(0))
+            if not need_h:
+                continue
+            g_h = torch.ops.aten.gelu_backward(go.mm(w2), h)
+            r = rows[sl]
+            if ctx.has_norm:
+                xn, mean, rstd = torch.native_layer_norm(r, (C,), norm_w, norm_b, ctx.eps)
+            else:
+                xn = r
+            if need_w1:
+                g_w1 = _accumulate(g_w1, g_h.t(), xn)
+            if need_b1 and ctx.has_b1:
+                g_b1 = _add(g_b1, g_h.sum(0))
+            if not (need_x or need_nw or need_nb):
+                continue
+            if not ctx.has_norm:
+                torch.mm(g_h, w1, out=g_rows[sl])
+                continue
+            g_xn = g_h.mm(w1)
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+                g_xn, r, (C,), mean, rstd, norm_w, norm_b, [need_x, need_nw and norm_w is not None,
+                                                            need_nb and norm_b is not None])
+            if need_x:
+                g_rows[sl] = dx
+            if dw is not None:
+                g_nw = _add(g_nw, dw)
+            if db is not None:
+                g_nb = _add(g_nb, db)
+        g_x = g_rows.view(ctx.in_shape) if g_rows is not None else None
+        return g_x, g_nw, g_nb, None, None, g_w1, g_b1, g_w2, g_b2, None
+
+
+def chunked_mlp_applies(x: Tensor, hidden: int) -> bool:
+    """Whether an MLP of ``hidden`` channels on ``x`` takes :func:`chunked_mlp`: a CPU step with
+    gradients, outside autocast and graph capture
+    (:func:`~vtdense.layers.chunked.training_chunking_applies`), whose hidden activation would
+    be at least :data:`TRAIN_CHUNK_MIN_BYTES`."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    return rows * hidden * x.element_size() >= TRAIN_CHUNK_MIN_BYTES and training_chunking_applies(x)
+
+
+def chunked_mlp(x: Tensor, fc1: torch.nn.Linear, fc2: torch.nn.Linear, norm: torch.nn.LayerNorm | None = None,
+                budget: int | None = None) -> Tensor:
+    """``fc2(gelu(fc1(norm(x))))`` with its forward and backward over row chunks (see the module
+    docstring); for CPU training steps without dropout or autocast. ``norm``: a LayerNorm over
+    the last dimension, or ``None``. ``budget``: bytes of one chunk's hidden activation (default
+    :data:`TRAIN_CHUNK_BYTES`). ``x``: ``(..., in)`` -> ``(..., out)``."""
+    nw = nb = None
+    eps = 0.0
+    if norm is not None:
+        nw, nb, eps = norm.weight, norm.bias, norm.eps
+    return _ChunkedMlp.apply(x, nw, nb, eps, norm is not None, fc1.weight, fc1.bias, fc2.weight, fc2.bias,
+                             TRAIN_CHUNK_BYTES if budget is None else budget)
