@@ -122,16 +122,16 @@ def _grad_fn_names(y: torch.Tensor) -> set[str]:
 def test_mlp_takes_the_chunked_path_only_for_large_cpu_training_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     mlp, norm = Mlp(DIM, HIDDEN), torch.nn.LayerNorm(DIM)
     x = torch.randn(ROWS, DIM, requires_grad=True)
-    chunked = "_ChunkedMlpBackward"
-    assert chunked not in _grad_fn_names(mlp(x, norm=norm))  # ROWS * HIDDEN * 4 bytes: under the threshold
-    monkeypatch.setattr(cm, "TRAIN_CHUNK_MIN_BYTES", ROWS * HIDDEN * 4)
-    assert chunked in _grad_fn_names(mlp(x, norm=norm)) and chunked in _grad_fn_names(mlp(x))
+    own = "_ChunkedMlpBackward"
+    assert own not in _grad_fn_names(mlp(x, norm=norm))  # ROWS * HIDDEN * 4 bytes: under the threshold
+    monkeypatch.setattr(chunked, "TRAIN_CHUNK_MIN_BYTES", ROWS * HIDDEN * 4)
+    assert own in _grad_fn_names(mlp(x, norm=norm)) and own in _grad_fn_names(mlp(x))
     with cpu_chunking(False):
-        assert chunked not in _grad_fn_names(mlp(x, norm=norm))
+        assert own not in _grad_fn_names(mlp(x, norm=norm))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert chunked not in _grad_fn_names(mlp(x, norm=norm))
+        assert own not in _grad_fn_names(mlp(x, norm=norm))
     mlp_drop = Mlp(DIM, HIDDEN, drop=0.1).train()
-    assert chunked not in _grad_fn_names(mlp_drop(x, norm=norm))
+    assert own not in _grad_fn_names(mlp_drop(x, norm=norm))
     with torch.no_grad():  # inference has its own chunked path (Mlp.add_to_), not this one
         assert mlp(x, norm=norm).grad_fn is None
 
@@ -140,8 +140,8 @@ def test_mlp_takes_the_chunked_path_only_for_large_cpu_training_steps(monkeypatc
 def test_backbone_gradients_with_chunked_mlp_match_unchunked(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Whole tiny backbones (pre-norm V1 and MViTv2, post-norm V2, the MViTv2 projected-shortcut
     MLP without a norm): chunked MLPs in every block give the unchunked gradients."""
-    monkeypatch.setattr(cm, "TRAIN_CHUNK_MIN_BYTES", 0)
-    monkeypatch.setattr(cm, "TRAIN_CHUNK_BYTES", 64 * 4 * 4 * 16)  # a few chunks per block
+    monkeypatch.setattr(chunked, "TRAIN_CHUNK_MIN_BYTES", 0)
+    monkeypatch.setattr(cm, "TRAIN_CHUNK_BYTES", 64 * 4 * 4 * 16)  # a few chunks per block (attention too: no threshold)
     torch.manual_seed(0)
     if name == "mvitv2":
         model = vtdense.create_backbone("mvitv2_tiny", embed_dim=16, depths=(1, 2, 1, 1), drop_path_rate=0.0,

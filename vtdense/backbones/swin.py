@@ -28,6 +28,11 @@ from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.chunked import chunking_applies, window_slices
+from vtdense.layers.cpu_window_attention import (
+    norm_qkv_window_attention,
+    qkv_window_attention,
+    qkv_window_attention_applies,
+)
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp, norm_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
@@ -175,6 +180,14 @@ class WindowAttention(nn.Module):
         """
         B, nW, N, C = x.shape
         h = self.num_heads
+        dropout = self.attn_drop if self.training else 0.0
+        if (norm is not None and not self.cosine and isinstance(norm, nn.LayerNorm)
+                and qkv_window_attention_applies(x, dropout, 3 * x.numel() * x.element_size())):
+            # CPU training: norm, qkv and attention over chunks of windows (see its module)
+            if term is None:
+                term = self.attn_term(window, mask, x.dtype, x.device)
+            out = norm_qkv_window_attention(x, norm, self.qkv, term, (C // h) ** -0.5, h)
+            return self.proj_drop(self.proj(out.transpose(2, 3).reshape(B, nW, N, C)))
         if self.cosine and self.q_bias is not None:
             bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
             qkv = F.linear(norm(x) if norm is not None else x, self.qkv.weight, bias)
@@ -185,16 +198,21 @@ class WindowAttention(nn.Module):
         qkv = qkv.view(B, nW, N, 3, h, C // h)
         if term is None:
             term = self.attn_term(window, mask, qkv.dtype, x.device)
-        dropout = self.attn_drop if self.training else 0.0
+        own_backward = qkv_window_attention_applies(qkv, dropout)  # CPU training (see its module)
         if self.cosine:
             # Scaled cosine attention, fused: one pass scales q by logit_scale / |q| and k by 1 / |k|.
             qk = qkv[:, :, :, :2]
             inv = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
             scale = torch.clamp(self.logit_scale, max=_LOGIT_SCALE_MAX).exp().view(1, h, 1)
             qk = qk * (inv * torch.cat((scale, torch.ones_like(scale))).to(inv.dtype))
-            q, k = qk.permute(3, 0, 1, 4, 2, 5).unbind(0)
-            v = qkv[:, :, :, 2].transpose(2, 3)
-            out = attention(q, k, v, term, scale=1.0, dropout=dropout)
+            if own_backward:
+                out = qkv_window_attention(qk, term, 1.0, v=qkv[:, :, :, 2])
+            else:
+                q, k = qk.permute(3, 0, 1, 4, 2, 5).unbind(0)
+                v = qkv[:, :, :, 2].transpose(2, 3)
+                out = attention(q, k, v, term, scale=1.0, dropout=dropout)
+        elif own_backward:
+            out = qkv_window_attention(qkv, term, (C // h) ** -0.5)
         else:
             q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).unbind(0)
             out = attention(q, k, v, term, dropout=dropout)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "training_chunking_applies",
-           "row_slices", "window_slices", "tracing"]
+           "TRAIN_CHUNK_MIN_BYTES", "row_slices", "window_slices", "tracing"]
 
 #: Target size of the largest temporary of one chunk (bytes). A few MiB keeps it in the L2/L3
 #: caches of current CPUs and well under glibc's 32 MiB ceiling for reusing freed memory.
@@ -33,6 +33,14 @@ CHUNK_BYTES = 8 << 20
 #: Fewest rows a chunk is cut to: below this the matmuls lose more to their own overhead than
 #: the cache gains.
 MIN_ROWS = 256
+
+#: Smallest activation (bytes) a training step computes in chunks. glibc maps blocks above
+#: 32 MiB afresh on every allocation, and returns the top of its heap to the kernel once more
+#: than 64 MiB of it is free (as at the end of every backward pass), so a step's large tensors are
+#: faulted in page by page again on every step. Swin-T at batch 2 and 512x768 measured fastest
+#: with 16 MiB (its stage-1/2 attention and stage-1 to 3 MLPs in chunks): smaller tensors run
+#: as fast whole, with fewer, larger matmuls.
+TRAIN_CHUNK_MIN_BYTES = 16 << 20
 
 _enabled = True
 
@@ -75,11 +83,12 @@ def chunking_applies(x: Tensor, module: nn.Module) -> bool:
     return not tracing()
 
 
-def training_chunking_applies(x: Tensor) -> bool:
-    """Whether a training-step op on ``x`` may run in chunks with its own backward
-    (:mod:`vtdense.layers.chunked_mlp`): on the CPU with gradients enabled, autocast off, and not
-    inside a compiler, exporter or tracer."""
-    if not _enabled or x.device.type != "cpu" or not torch.is_grad_enabled():
+def training_chunking_applies(x: Tensor, nbytes: int) -> bool:
+    """Whether a training-step op on ``x`` whose largest activation takes ``nbytes`` runs in
+    chunks with its own backward (:mod:`vtdense.layers.chunked_mlp`,
+    :mod:`vtdense.layers.cpu_window_attention`): at least :data:`TRAIN_CHUNK_MIN_BYTES`, on the
+    CPU with gradients enabled, autocast off, and not inside a compiler, exporter or tracer."""
+    if not _enabled or nbytes < TRAIN_CHUNK_MIN_BYTES or x.device.type != "cpu" or not torch.is_grad_enabled():
         return False
     return not torch.is_autocast_enabled("cpu") and not tracing()
 

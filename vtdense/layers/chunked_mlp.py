@@ -9,7 +9,8 @@ at a time. On the CPU that keeps them in cache between the matmul that writes th
 that reads them, and it spares the allocator the large blocks that glibc maps afresh (and the
 kernel faults in page by page) each time: the stage-1 MLP of Swin-T at batch 2 and 512x768 made
 five 72 MiB tensors per block and step. :func:`chunked_mlp_applies` takes this path only for
-hidden activations of :data:`TRAIN_CHUNK_MIN_BYTES` or more; smaller ones run whole.
+hidden activations of :data:`~vtdense.layers.chunked.TRAIN_CHUNK_MIN_BYTES` or more; smaller
+ones run whole.
 
 The values are those of plain autograd over the same operations; the weight gradients are sums
 over chunks (``addmm_``), which changes only the order of a float sum. ``h`` is kept as one
@@ -27,14 +28,12 @@ from torch.autograd.function import once_differentiable
 
 from vtdense.layers.chunked import row_slices, training_chunking_applies
 
-__all__ = ["TRAIN_CHUNK_BYTES", "TRAIN_CHUNK_MIN_BYTES", "chunked_mlp", "chunked_mlp_applies"]
+__all__ = ["TRAIN_CHUNK_BYTES", "chunked_mlp", "chunked_mlp_applies"]
 
 #: Target size (bytes) of one chunk's hidden-width temporaries in a training step: small enough
 #: for the L2/L3 caches, large enough that the matmuls keep their speed.
 TRAIN_CHUNK_BYTES = 4 << 20
-#: Smallest hidden activation (bytes, all rows) worth chunking: glibc serves smaller blocks from
-#: memory it already has, and below this the whole-tensor path (one matmul per weight) is as fast.
-TRAIN_CHUNK_MIN_BYTES = 32 << 20
+
 
 
 def _accumulate(acc: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
@@ -120,10 +119,10 @@ class _ChunkedMlp(torch.autograd.Function):
 def chunked_mlp_applies(x: Tensor, hidden: int) -> bool:
     """Whether an MLP of ``hidden`` channels on ``x`` takes :func:`chunked_mlp`: a CPU step with
     gradients, outside autocast and graph capture
-    (:func:`~vtdense.layers.chunked.training_chunking_applies`), whose hidden activation would
-    be at least :data:`TRAIN_CHUNK_MIN_BYTES`."""
+    (:func:`~vtdense.layers.chunked.training_chunking_applies`) whose hidden activation would
+    be at least :data:`~vtdense.layers.chunked.TRAIN_CHUNK_MIN_BYTES`."""
     rows = x.numel() // max(x.shape[-1], 1)
-    return rows * hidden * x.element_size() >= TRAIN_CHUNK_MIN_BYTES and training_chunking_applies(x)
+    return training_chunking_applies(x, rows * hidden * x.element_size())
 
 
 def chunked_mlp(x: Tensor, fc1: torch.nn.Linear, fc2: torch.nn.Linear, norm: torch.nn.LayerNorm | None = None,

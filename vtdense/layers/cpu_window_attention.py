@@ -1,0 +1,256 @@
+"""Windowed attention for CPU training steps, image by image, with its own backward.
+
+On the CPU, SDPA cannot take the gradient of an additive term, so a Swin block's training step
+falls back to the math path: it copies ``q``, ``k`` and ``v`` to fold windows into heads, adds
+the term over the whole batch, keeps several logit-sized tensors for the backward pass, and its
+backward stacks the three gradients back into the ``qkv`` layout. Here one autograd function
+reads ``q``, ``k`` and ``v`` straight from the ``qkv`` projection ``(B, nW, N, 3, heads, d)``
+and, one image and head at a time, computes ``softmax(scale * q k^T + term) v`` with ``baddbmm``,
+``softmax`` and ``bmm`` (as CPU inference does, :mod:`vtdense.layers.attention`). It keeps only
+the attention probabilities for the backward pass, which writes the gradient of ``qkv`` in its
+own layout and sums the term's gradient over the images. The output is laid out
+``(B, nW, N, heads, d)``, so merging the heads into channels is a view.
+
+The values are those of the math path to float rounding (the same operations, one image and
+head at a time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from vtdense.layers.attention import get_attention_backend
+from vtdense.layers.chunked import CHUNK_BYTES, training_chunking_applies, window_slices
+
+__all__ = ["qkv_window_attention", "norm_qkv_window_attention", "qkv_window_attention_applies"]
+
+
+def _to_heads(t: Tensor) -> Tensor:
+    """``(nW, N, heads, d)`` -> contiguous ``(nW * heads, N, d)``: ``bmm`` runs one batched
+    kernel on contiguous batches, but loops matrix by matrix over strided ones (3-5x slower)."""
+    nw, n, h, d = t.shape
+    return t.transpose(1, 2).reshape(nw * h, n, d)
+
+
+def _from_heads(t: Tensor, out: Tensor) -> None:
+    """Write ``t`` ``(nW * heads, N, d)`` into ``out`` ``(nW, N, heads, d)``."""
+    nw, n, h, d = out.shape
+    out.copy_(t.view(nw, h, n, d).transpose(1, 2))
+
+
+def _window_terms(term: Tensor, wins: slice, nw: int) -> Tensor:
+    """The term of windows ``wins`` (``nw`` of them) as ``(nw * heads, N, N)``."""
+    t = term[wins] if term.dim() == 4 else term.expand(nw, *term.shape)
+    return t.reshape(-1, *t.shape[-2:])
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, term: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """``q, k, v``: ``(n, N, d)``, ``term``: ``(n, N, N)`` -> (probabilities, output)."""
+    p = torch.baddbmm(term, q, k.transpose(1, 2), alpha=scale).softmax(-1)
+    return p, torch.bmm(p, v)
+
+
+def _attend_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, go: Tensor, scale: float, need_qk: bool,
+                     need_v: bool, need_term: bool) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+    """Gradients of :func:`_attend` for the output gradient ``go``: ``(dq, dk, dv, dterm)``."""
+    dv = torch.bmm(p.transpose(1, 2), go) if need_v else None
+    if not (need_qk or need_term):
+        return None, None, dv, None
+    ds = torch._softmax_backward_data(torch.bmm(go, v.transpose(1, 2)), p, -1, p.dtype)
+    dq = dk = None
+    if need_qk:
+        dq = torch.bmm(ds, k).mul_(scale)
+        dk = torch.bmm(ds.transpose(1, 2), q).mul_(scale)
+    return dq, dk, dv, ds
+
+
+def _add_term_grad(g_term: Tensor, ds: Tensor, wins: slice) -> None:
+    """Add ``ds`` ``(nw * heads, N, N)`` of windows ``wins`` to ``g_term`` (``(nW, heads, N, N)``,
+    or ``(heads, N, N)`` shared by all windows)."""
+    if g_term.dim() == 4:
+        g_term[wins].view_as(ds).add_(ds)
+    else:
+        g_term.add_(ds.view(-1, *g_term.shape).sum(0))
+
+
+class _QkvWindowAttention(torch.autograd.Function):
+    """Attention from a given ``qkv`` (or ``qk`` and ``v``), one image at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, qk: Tensor, v_src: Tensor | None, term: Tensor, scale: float) -> Tensor:
+        B, nW, N, _, h, d = qk.shape
+        v_all = qk[:, :, :, 2] if v_src is None else v_src
+        terms = _window_terms(term, slice(None), nW)
+        out = qk.new_empty(B, nW, N, h, v_all.shape[-1])
+        probs = []
+        for i in range(B):
+            p, o = _attend(_to_heads(qk[i, :, :, 0]), _to_heads(qk[i, :, :, 1]), _to_heads(v_all[i]), terms, scale)
+            probs.append(p)
+            _from_heads(o, out[i])
+        ctx.save_for_backward(qk, v_src, *probs)
+        ctx.scale, ctx.term_dim = scale, term.dim()
+        return out.transpose(2, 3)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        qk, v_src, *probs = ctx.saved_tensors
+        need_qk, need_v, need_term, _ = ctx.needs_input_grad
+        B, nW, N, _, h, d = qk.shape
+        split_v = v_src is not None
+        v_all = v_src if split_v else qk[:, :, :, 2]
+        need_v = need_v if split_v else need_qk
+        g_qk = torch.empty_like(qk) if need_qk else None  # every section is written below
+        g_v = (torch.empty_like(v_all) if split_v else g_qk[:, :, :, 2]) if need_v else None
+        g_term = qk.new_zeros((h, N, N) if ctx.term_dim == 3 else (nW, h, N, N)) if need_term else None
+        grad = grad.transpose(2, 3)  # (B, nW, N, heads, dv), the layout of the output
+        for i, p in enumerate(probs):
+            dq, dk, dv, ds = _attend_backward(_to_heads(qk[i, :, :, 0]), _to_heads(qk[i, :, :, 1]), _to_heads(v_all[i]), p,
+                                              _to_heads(grad[i]), ctx.scale, need_qk, need_v, need_term)
+            if need_v:
+                _from_heads(dv, g_v[i])
+            if need_qk:
+                _from_heads(dq, g_qk[i, :, :, 0])
+                _from_heads(dk, g_qk[i, :, :, 1])
+            if need_term:
+                _add_term_grad(g_term, ds, slice(None))
+        return g_qk, g_v if split_v else None, g_term, None
+
+
+class _NormQkvWindowAttention(torch.autograd.Function):
+    """Swin V1's attention branch up to the output projection: ``layer_norm``, the ``qkv``
+    projection and attention, over chunks of windows (:func:`~vtdense.layers.chunked.window_slices`).
+    Each chunk's ``qkv`` is kept head-major, ``(3, images, windows * heads, N, d)``, with the
+    probabilities and the input; no ``qkv``-sized tensor of the whole batch (nor its gradient)
+    is ever made."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, norm_w: Tensor | None, norm_b: Tensor | None, eps: float, w: Tensor,
+                b: Tensor | None, term: Tensor, scale: float, heads: int, budget: int) -> Tensor:
+        B, nW, N, C = x.shape
+        d = w.shape[0] // 3 // heads
+        out = x.new_empty(B, nW, N, heads, d)
+        chunks = window_slices(B, nW, N, w.shape[0] * x.element_size(), budget)
+        qkvs: list[Tensor] = []
+        probs: list[Tensor] = []
+        for imgs, wins in chunks:
+            xc = x[imgs, wins]
+            nb, nw = xc.shape[:2]
+            qkv = F.linear(F.layer_norm(xc, (C,), norm_w, norm_b, eps), w, b).view(nb, nw, N, 3, heads, d)
+            qkv = qkv.permute(3, 0, 1, 4, 2, 5).reshape(3, nb, nw * heads, N, d)  # head-major: one copy
+            qkvs.append(qkv)
+            terms = _window_terms(term, wins, nw)
+            oc = out[imgs, wins]
+            for i in range(nb):
+                p, o = _attend(qkv[0, i], qkv[1, i], qkv[2, i], terms, scale)
+                probs.append(p)
+                _from_heads(o, oc[i])
+        ctx.save_for_backward(x, norm_w, norm_b, w, *qkvs, *probs)
+        ctx.chunks, ctx.n_chunks, ctx.eps, ctx.scale, ctx.term_dim = chunks, len(qkvs), eps, scale, term.dim()
+        ctx.heads, ctx.has_b = heads, b is not None
+        return out.transpose(2, 3)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, norm_w, norm_b, w, *rest = ctx.saved_tensors
+        qkvs, probs = rest[:ctx.n_chunks], rest[ctx.n_chunks:]
+        need_x, need_nw, need_nb, _, need_w, need_b, need_term = ctx.needs_input_grad[:7]
+        B, nW, N, C = x.shape
+        h = ctx.heads
+        need_nw, need_nb = need_nw and norm_w is not None, need_nb and norm_b is not None
+        need_in = need_x or need_nw or need_nb
+        need_qkv = need_in or need_w or need_b
+        g_term = x.new_zeros((h, N, N) if ctx.term_dim == 3 else (nW, h, N, N)) if need_term else None
+        g_x = torch.empty_like(x) if need_x else None
+        g_nw = g_nb = g_w = g_b = None
+        grad = grad.transpose(2, 3)  # (B, nW, N, heads, d), the layout of the output
+        n = 0
+        for (imgs, wins), qkv in zip(ctx.chunks, qkvs):
+            g_qkv = torch.empty_like(qkv) if need_qkv else None
+            gc = grad[imgs, wins]
+            nb, nw = gc.shape[:2]
+            for i in range(nb):
+                dq, dk, dv, ds = _attend_backward(qkv[0, i], qkv[1, i], qkv[2, i], probs[n], _to_heads(gc[i]), ctx.scale,
+                                                  need_qkv, need_qkv, need_term)
+                n += 1
+                if need_qkv:
+                    g_qkv[0, i], g_qkv[1, i], g_qkv[2, i] = dq, dk, dv
+                if need_term:
+                    _add_term_grad(g_term, ds, wins)
+            if not need_qkv:
+                continue
+            g2 = g_qkv.view(3, nb, nw, h, N, -1).permute(1, 2, 4, 0, 3, 5).reshape(nb * nw * N, 3 * C)
+            xc = x[imgs, wins].reshape(-1, C)
+            xn, mean, rstd = torch.native_layer_norm(xc, (C,), norm_w, norm_b, ctx.eps)
+            if need_w:
+                g_w = torch.mm(g2.t(), xn) if g_w is None else g_w.addmm_(g2.t(), xn)
+            if need_b and ctx.has_b:
+                g_b = g2.sum(0) if g_b is None else g_b.add_(g2.sum(0))
+            if not need_in:
+                continue
+            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+                g2.mm(w), xc, (C,), mean, rstd, norm_w, norm_b, [need_x, need_nw, need_nb])
+            if need_x:
+                g_x[imgs, wins] = dx.view(nb, nw, N, C)
+            if dw is not None:
+                g_nw = dw if g_nw is None else g_nw.add_(dw)
+            if db is not None:
+                g_nb = db if g_nb is None else g_nb.add_(db)
+        return g_x, g_nw, g_nb, None, g_w, g_b, g_term, None, None, None
+
+
+def qkv_window_attention_applies(qk: Tensor, dropout: float, nbytes: int | None = None) -> bool:
+    """Whether :func:`qkv_window_attention` (or :func:`norm_qkv_window_attention`) serves this
+    call on ``qk``, the ``qkv`` projection (or its input): a CPU step with gradients, outside
+    autocast and graph capture, with a ``qkv`` of at least
+    :data:`~vtdense.layers.chunked.TRAIN_CHUNK_MIN_BYTES` (``nbytes``, default ``qk``'s size;
+    below that SDPA's math path measured as fast), without attention dropout, on the default
+    (``"sdpa"``) backend."""
+    if dropout or get_attention_backend() != "sdpa":
+        return False
+    return training_chunking_applies(qk, qk.numel() * qk.element_size() if nbytes is None else nbytes)
+
+
+def qkv_window_attention(qk: Tensor, term: Tensor, scale: float, v: Tensor | None = None) -> Tensor:
+    """``softmax(scale * q k^T + term) v`` per window and head, for CPU training steps.
+
+    Args:
+        qk: ``(B, nW, N, 3, heads, d)``, the ``qkv`` projection (``q, k, v`` at index 0, 1, 2 of
+            dim 3), or ``(B, nW, N, 2, heads, d)`` with ``v`` given apart.
+        term: additive term ``(heads, N, N)`` or ``(nW, heads, N, N)``; its gradient is summed
+            over the images (and the windows for a shared one).
+        scale: logit scale.
+        v: ``(B, nW, N, heads, dv)`` when ``qk`` holds only ``q`` and ``k``.
+
+    Returns:
+        ``(B, nW, heads, N, dv)``, laid out as ``(B, nW, N, heads, dv)``.
+    """
+    return _QkvWindowAttention.apply(qk, v, term, scale)
+
+
+def norm_qkv_window_attention(x: Tensor, norm: torch.nn.LayerNorm, qkv: torch.nn.Linear, term: Tensor, scale: float,
+                              heads: int, budget: int | None = None) -> Tensor:
+    """Swin V1's ``attention(qkv(norm(x)))`` per window and head, for CPU training steps, over
+    chunks of windows of about ``budget`` bytes of ``qkv`` (default
+    :data:`~vtdense.layers.chunked.CHUNK_BYTES`): the ``qkv`` projection of the whole batch and its
+    gradient are never made whole.
+
+    Args:
+        x: ``(B, nW, N, C)`` tokens grouped by window.
+        norm: the pre-norm (a LayerNorm over ``C``).
+        qkv: the ``C -> 3C`` projection.
+        term: additive term ``(heads, N, N)`` or ``(nW, heads, N, N)``.
+        scale: logit scale.
+        heads: attention heads.
+
+    Returns:
+        ``(B, nW, heads, N, C // heads)``, laid out as ``(B, nW, N, heads, C // heads)``.
+    """
+    return _NormQkvWindowAttention.apply(x, norm.weight, norm.bias, norm.eps, qkv.weight, qkv.bias, term, scale, heads,
+                                         CHUNK_BYTES if budget is None else budget)
