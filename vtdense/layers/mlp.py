@@ -117,9 +117,9 @@ class Mlp(nn.Module):
     """Two-layer GELU MLP (names ``fc1``/``fc2`` as in timm), optionally changing the width.
 
     Training without dropout keeps only ``fc1``'s output for the backward pass and recomputes
-    the GELU (see :func:`gelu_linear`); the results are the same. On the CPU outside autocast the
-    whole MLP, forward and backward, runs over cache-sized row chunks
-    (:func:`~vtdense.layers.chunked_mlp.chunked_mlp`).
+    the GELU (see :func:`gelu_linear`); the results are the same. On the CPU outside autocast, a
+    hidden activation of 16 MiB or more makes the whole MLP, forward and backward, run over
+    cache-sized row chunks (:func:`~vtdense.layers.chunked_mlp.chunked_mlp`).
 
     Args:
         dim: input channels.
