@@ -88,9 +88,10 @@ def training_chunking_applies(x: Tensor, nbytes: int) -> bool:
     chunks with its own backward (:mod:`vtdense.layers.chunked_mlp`,
     :mod:`vtdense.layers.cpu_window_attention`): at least :data:`TRAIN_CHUNK_MIN_BYTES`, on the
     CPU with gradients enabled, autocast off, and not inside a compiler, exporter or tracer."""
-    if not _enabled or nbytes < TRAIN_CHUNK_MIN_BYTES or x.device.type != "cpu" or not torch.is_grad_enabled():
+    if not _enabled or x.device.type != "cpu" or not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         return False
-    return not torch.is_autocast_enabled("cpu") and not tracing()
+    # the size test last: under export / compile it would put a guard on symbolic sizes
+    return not tracing() and nbytes >= TRAIN_CHUNK_MIN_BYTES
 
 
 def _even_slices(n: int, per: int) -> list[slice]:
