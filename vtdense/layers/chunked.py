@@ -14,6 +14,11 @@ ones (the tests compare them exactly). The chunked path is taken only where it c
 anything but speed: on the CPU, with no gradient needed, outside autocast, and outside
 ``torch.compile``, ``torch.export`` and TorchScript tracing (ONNX export), whose graphs keep the
 whole-tensor form. :func:`set_cpu_chunking` switches it off (for benchmarks and comparisons).
+
+CPU training steps chunk their large activations too, with autograd functions of their own
+(:mod:`vtdense.layers.chunked_mlp`, :mod:`vtdense.layers.cpu_window_attention`;
+:func:`training_chunking_applies`); :class:`NormLinearGrads` is the backward of the
+``linear(layer_norm(x))`` both of them start with.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "training_chunking_applies",
-           "TRAIN_CHUNK_MIN_BYTES", "row_slices", "window_slices", "tracing"]
+           "TRAIN_CHUNK_MIN_BYTES", "NormLinearGrads", "row_slices", "window_slices", "tracing"]
 
 #: Target size of the largest temporary of one chunk (bytes). A few MiB keeps it in the L2/L3
 #: caches of current CPUs and well under glibc's 32 MiB ceiling for reusing freed memory.
@@ -92,6 +97,60 @@ def training_chunking_applies(x: Tensor, nbytes: int) -> bool:
         return False
     # the size test last: under export / compile it would put a guard on symbolic sizes
     return not tracing() and nbytes >= TRAIN_CHUNK_MIN_BYTES
+
+
+def _add(acc: Tensor | None, t: Tensor | None) -> Tensor | None:
+    """``acc + t`` in place (``t`` itself for the first chunk, ``acc`` when ``t`` is ``None``)."""
+    return t if acc is None else (acc if t is None else acc.add_(t))
+
+
+class NormLinearGrads:
+    """The backward of ``linear(layer_norm(x), w, b)`` (or ``linear(x, w, b)`` without a norm),
+    one chunk of rows at a time: :meth:`add` takes a chunk's output gradient and input rows,
+    recomputes the norm, writes the input gradient, and sums the parameter gradients over the
+    chunks (:attr:`grads`). ``needs``: which of ``(x, norm_w, norm_b, w, b)`` need a gradient."""
+
+    def __init__(self, norm_w: Tensor | None, norm_b: Tensor | None, eps: float, has_norm: bool, w: Tensor,
+                 has_b: bool, needs: tuple[bool, bool, bool, bool, bool]) -> None:
+        self.norm_w, self.norm_b, self.eps, self.has_norm, self.w = norm_w, norm_b, eps, has_norm, w
+        nx, nnw, nnb, nw_, nb_ = needs
+        self.need_x, self.need_w, self.need_b = nx, nw_, nb_ and has_b
+        self.need_nw = nnw and has_norm and norm_w is not None
+        self.need_nb = nnb and has_norm and norm_b is not None
+        self.g_nw = self.g_nb = self.g_w = self.g_b = None
+
+    @property
+    def needed(self) -> bool:
+        """Whether any gradient is wanted at all (else :meth:`add` need not be called)."""
+        return self.need_x or self.need_nw or self.need_nb or self.need_w or self.need_b
+
+    def add(self, g_out: Tensor, rows: Tensor, g_rows: Tensor | None) -> None:
+        """``g_out``: ``(n, out)`` gradient of this chunk's output; ``rows``: its ``(n, in)``
+        input; ``g_rows``: where its input gradient goes (``(n, in)``, when ``x`` needs one)."""
+        if self.has_norm:
+            xn, mean, rstd = torch.native_layer_norm(rows, rows.shape[-1:], self.norm_w, self.norm_b, self.eps)
+        else:
+            xn = rows
+        if self.need_w:
+            self.g_w = torch.mm(g_out.t(), xn) if self.g_w is None else self.g_w.addmm_(g_out.t(), xn)
+        if self.need_b:
+            self.g_b = _add(self.g_b, g_out.sum(0))
+        if not (self.need_x or self.need_nw or self.need_nb):
+            return
+        if not self.has_norm:
+            torch.mm(g_out, self.w, out=g_rows)
+            return
+        dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+            g_out.mm(self.w), rows, rows.shape[-1:], mean, rstd, self.norm_w, self.norm_b,
+            [self.need_x, self.need_nw, self.need_nb])
+        if self.need_x:
+            g_rows.copy_(dx)
+        self.g_nw, self.g_nb = _add(self.g_nw, dw), _add(self.g_nb, db)
+
+    @property
+    def grads(self) -> tuple[Tensor | None, Tensor | None, Tensor | None, Tensor | None]:
+        """The summed ``(norm_w, norm_b, w, b)`` gradients (``None`` where none was wanted)."""
+        return self.g_nw, self.g_nb, self.g_w, self.g_b
 
 
 def _even_slices(n: int, per: int) -> list[slice]:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from vtdense.layers.chunked import row_slices, training_chunking_applies
+from vtdense.layers.chunked import NormLinearGrads, row_slices, training_chunking_applies
 
 __all__ = ["TRAIN_CHUNK_BYTES", "chunked_mlp", "chunked_mlp_applies"]
 
@@ -35,14 +35,9 @@ __all__ = ["TRAIN_CHUNK_BYTES", "chunked_mlp", "chunked_mlp_applies"]
 TRAIN_CHUNK_BYTES = 4 << 20
 
 
-
 def _accumulate(acc: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
     """``acc + a @ b`` in place (``a @ b`` for the first chunk)."""
     return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
-
-
-def _add(acc: Tensor | None, t: Tensor) -> Tensor:
-    return t if acc is None else acc.add_(t)
 
 
 class _ChunkedMlp(torch.autograd.Function):
@@ -73,45 +68,20 @@ class _ChunkedMlp(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         rows, norm_w, norm_b, w1, b1, w2, *hs = ctx.saved_tensors
         need_x, need_nw, need_nb, _, _, need_w1, need_b1, need_w2, need_b2, _ = ctx.needs_input_grad
-        need_nw, need_nb = need_nw and ctx.has_norm, need_nb and ctx.has_norm
-        need_h = need_x or need_nw or need_nb or need_w1 or need_b1
+        fc1 = NormLinearGrads(norm_w, norm_b, ctx.eps, ctx.has_norm, w1, ctx.has_b1,
+                              (need_x, need_nw, need_nb, need_w1, need_b1))
         g_out = grad.reshape(-1, grad.shape[-1])
         g_rows = torch.empty_like(rows) if need_x else None
-        g_nw = g_nb = g_w1 = g_b1 = g_w2 = g_b2 = None
-        C = rows.shape[-1]
+        g_w2 = g_b2 = None
         for sl, h in zip(ctx.slices, hs):
             go = g_out[sl]
             if need_w2:
                 g_w2 = _accumulate(g_w2, go.t(), F.gelu(h))
             if need_b2 and ctx.has_b2:
-                g_b2 = _add(g_b2, go.sum(0))
-            if not need_h:
-                continue
-            g_h = torch.ops.aten.gelu_backward(go.mm(w2), h)
-            r = rows[sl]
-            if ctx.has_norm:
-                xn, mean, rstd = torch.native_layer_norm(r, (C,), norm_w, norm_b, ctx.eps)
-            else:
-                xn = r
-            if need_w1:
-                g_w1 = _accumulate(g_w1, g_h.t(), xn)
-            if need_b1 and ctx.has_b1:
-                g_b1 = _add(g_b1, g_h.sum(0))
-            if not (need_x or need_nw or need_nb):
-                continue
-            if not ctx.has_norm:
-                torch.mm(g_h, w1, out=g_rows[sl])
-                continue
-            g_xn = g_h.mm(w1)
-            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                g_xn, r, (C,), mean, rstd, norm_w, norm_b, [need_x, need_nw and norm_w is not None,
-                                                            need_nb and norm_b is not None])
-            if need_x:
-                g_rows[sl] = dx
-            if dw is not None:
-                g_nw = _add(g_nw, dw)
-            if db is not None:
-                g_nb = _add(g_nb, db)
+                g_b2 = go.sum(0) if g_b2 is None else g_b2.add_(go.sum(0))
+            if fc1.needed:
+                fc1.add(torch.ops.aten.gelu_backward(go.mm(w2), h), rows[sl], g_rows[sl] if need_x else None)
+        g_nw, g_nb, g_w1, g_b1 = fc1.grads
         g_x = g_rows.view(ctx.in_shape) if g_rows is not None else None
         return g_x, g_nw, g_nb, None, None, g_w1, g_b1, g_w2, g_b2, None
 

@@ -1,18 +1,18 @@
-"""Windowed attention for CPU training steps, image by image, with its own backward.
+"""Windowed attention for CPU training steps, a chunk of windows at a time, with its own backward.
 
 On the CPU, SDPA cannot take the gradient of an additive term, so a Swin block's training step
 falls back to the math path: it copies ``q``, ``k`` and ``v`` to fold windows into heads, adds
 the term over the whole batch, keeps several logit-sized tensors for the backward pass, and its
-backward stacks the three gradients back into the ``qkv`` layout. Here one autograd function
-reads ``q``, ``k`` and ``v`` straight from the ``qkv`` projection ``(B, nW, N, 3, heads, d)``
-and, one image and head at a time, computes ``softmax(scale * q k^T + term) v`` with ``baddbmm``,
-``softmax`` and ``bmm`` (as CPU inference does, :mod:`vtdense.layers.attention`). It keeps only
-the attention probabilities for the backward pass, which writes the gradient of ``qkv`` in its
-own layout and sums the term's gradient over the images. The output is laid out
+backward stacks the three gradients back into the ``qkv`` layout. Here autograd functions
+compute ``softmax(scale * q k^T + term) v`` one image (V2, from its ``qkv``) or one chunk of
+windows (V1, norm and ``qkv`` projection included) at a time, with ``baddbmm``, ``softmax`` and
+``bmm`` (as CPU inference does, :mod:`vtdense.layers.attention`) on head-major copies of the
+chunk's ``q``, ``k``, ``v``. They keep only the attention probabilities (and V1 each chunk's
+``qkv``) for the backward pass, which writes the gradient of ``qkv`` (V1: of the block input)
+in its own layout and sums the term's gradient over the images. The output is laid out
 ``(B, nW, N, heads, d)``, so merging the heads into channels is a view.
 
-The values are those of the math path to float rounding (the same operations, one image and
-head at a time).
+The values are those of the math path to float rounding (the same operations, chunk by chunk).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vtdense.layers.attention import get_attention_backend
-from vtdense.layers.chunked import CHUNK_BYTES, training_chunking_applies, window_slices
+from vtdense.layers.chunked import CHUNK_BYTES, NormLinearGrads, training_chunking_applies, window_slices
 
 __all__ = ["qkv_window_attention", "norm_qkv_window_attention", "qkv_window_attention_applies"]
 
@@ -163,12 +163,10 @@ class _NormQkvWindowAttention(torch.autograd.Function):
         need_x, need_nw, need_nb, _, need_w, need_b, need_term = ctx.needs_input_grad[:7]
         B, nW, N, C = x.shape
         h = ctx.heads
-        need_nw, need_nb = need_nw and norm_w is not None, need_nb and norm_b is not None
-        need_in = need_x or need_nw or need_nb
-        need_qkv = need_in or need_w or need_b
+        proj = NormLinearGrads(norm_w, norm_b, ctx.eps, True, w, ctx.has_b, (need_x, need_nw, need_nb, need_w, need_b))
+        need_qkv = proj.needed
         g_term = x.new_zeros((h, N, N) if ctx.term_dim == 3 else (nW, h, N, N)) if need_term else None
         g_x = torch.empty_like(x) if need_x else None
-        g_nw = g_nb = g_w = g_b = None
         grad = grad.transpose(2, 3)  # (B, nW, N, heads, d), the layout of the output
         n = 0
         for (imgs, wins), qkv in zip(ctx.chunks, qkvs):
@@ -183,25 +181,10 @@ class _NormQkvWindowAttention(torch.autograd.Function):
                     g_qkv[0, i], g_qkv[1, i], g_qkv[2, i] = dq, dk, dv
                 if need_term:
                     _add_term_grad(g_term, ds, wins)
-            if not need_qkv:
-                continue
-            g2 = g_qkv.view(3, nb, nw, h, N, -1).permute(1, 2, 4, 0, 3, 5).reshape(nb * nw * N, 3 * C)
-            xc = x[imgs, wins].reshape(-1, C)
-            xn, mean, rstd = torch.native_layer_norm(xc, (C,), norm_w, norm_b, ctx.eps)
-            if need_w:
-                g_w = torch.mm(g2.t(), xn) if g_w is None else g_w.addmm_(g2.t(), xn)
-            if need_b and ctx.has_b:
-                g_b = g2.sum(0) if g_b is None else g_b.add_(g2.sum(0))
-            if not need_in:
-                continue
-            dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-                g2.mm(w), xc, (C,), mean, rstd, norm_w, norm_b, [need_x, need_nw, need_nb])
-            if need_x:
-                g_x[imgs, wins] = dx.view(nb, nw, N, C)
-            if dw is not None:
-                g_nw = dw if g_nw is None else g_nw.add_(dw)
-            if db is not None:
-                g_nb = db if g_nb is None else g_nb.add_(db)
+            if need_qkv:
+                g2 = g_qkv.view(3, nb, nw, h, N, -1).permute(1, 2, 4, 0, 3, 5).reshape(nb * nw * N, 3 * C)
+                proj.add(g2, x[imgs, wins].reshape(-1, C), g_x[imgs, wins].view(-1, C) if need_x else None)
+        g_nw, g_nb, g_w, g_b = proj.grads
         return g_x, g_nw, g_nb, None, g_w, g_b, g_term, None, None, None
 
 
