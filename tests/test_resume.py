@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -124,7 +125,9 @@ def test_detection_sigkill_mid_epoch_resumes_to_the_same_weights(coco6: Path, tm
     reference = tmp_path / "reference"
     _finish(_detection_args(coco6, reference), tmp_path / "reference.log")
     resumed, step = _interrupt_and_resume(_detection_args, coco6, tmp_path, signal.SIGKILL)
-    assert step == 2  # killed after the step-2 checkpoint: epoch 0 of 3 steps, mid-epoch
+    # killed after the step-2 checkpoint (epoch 0 of 3 steps), or, when the machine is loaded and
+    # the poll comes late, after the step-4 one (epoch 1): mid-epoch either way
+    assert step in (2, 4)
     _assert_same(reference, resumed)
 
 
@@ -132,10 +135,15 @@ def test_segmentation_sigkill_and_sigterm_resume_to_the_same_weights(ade6: Path,
     reference = tmp_path / "reference"
     _finish(_segmentation_args(ade6, reference), tmp_path / "reference.log")
     resumed, step = _interrupt_and_resume(_segmentation_args, ade6, tmp_path, signal.SIGKILL)
-    assert step == 2
+    assert step in (2, 4)  # mid-epoch (6 steps an epoch); 4 when the poll comes late
     _assert_same(reference, resumed)
-    # SIGTERM: the process writes last.ckpt at the end of the batch it was in (after step 2: 6 steps an epoch)
+    # SIGTERM: the process writes last.ckpt at the end of the batch it was in. The signal is sent
+    # right after the step-2 checkpoint, so that is step 3, or step 2 itself when it lands between
+    # the step checkpoint and the end of that batch (a short window, longer on a loaded machine).
     resumed, step = _interrupt_and_resume(_segmentation_args, ade6, tmp_path, signal.SIGTERM)
-    assert "SIGTERM: saved" in (tmp_path / f"first_{int(signal.SIGTERM)}.log").read_text()
-    assert 2 < step < 6
+    log = (tmp_path / f"first_{int(signal.SIGTERM)}.log").read_text()
+    saved = re.search(r"SIGTERM: saved \S+ at step (\d+)", log)
+    assert saved, log[-3000:]
+    assert int(saved.group(1)) == step  # last.ckpt is the one the signal wrote
+    assert 2 <= step < 6
     _assert_same(reference, resumed)
