@@ -9,7 +9,9 @@ Contender names:
 - ``vtdense``, ``vtdense compiled`` (``torch.compile``; for a detector only its backbone + FPN, as
   ``compile_backbone`` does), ``vtdense ckpt`` (``grad_checkpointing``), ``vtdense unchunked``
   (CPU inference with :func:`vtdense.layers.chunked.set_cpu_chunking` off, to show what chunks give),
-  ``vtdense global`` (MViTv2 with global attention at detection sizes, for the scaling rows);
+  ``vtdense global`` (MViTv2 with global attention at detection sizes, for the scaling rows),
+  ``vtdense bias`` (MViTv2 with its relative positions added as a ``(Nq, Nk)`` bias in training
+  too, ``rel_pos_fold=False``, against the default fold);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
 - ``torchvision``: ``swin_t`` / ``swin_v2_t`` feature extractors, and for the detector rows
@@ -87,7 +89,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
     import vtdense
 
     family = case["family"]
-    base = contender.replace(" compiled", "").replace(" ckpt", "").replace(" unchunked", "")
+    base = contender.replace(" compiled", "").replace(" ckpt", "").replace(" unchunked", "").replace(" bias", "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
 
@@ -111,6 +113,8 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
             kwargs["window_size"] = 0 if base == "vtdense global" else case.get("mvit_window", 0)
         if contender.endswith("ckpt"):
             kwargs["grad_checkpointing"] = True
+        if contender.endswith(" bias"):
+            kwargs["rel_pos_fold"] = False
         model = vtdense.create_backbone(ours, **kwargs)
     elif base in ("timm", "timm fused"):
         model = _timm_backbone(timm_name, tuple(case["size"]))

@@ -5,7 +5,8 @@ On the device the tests never see (CI has no GPU), this answers:
 - **attention paths**: every path (``sdpa``, ``flex``) gives the ``math`` path's outputs, and
   ``sdpa`` its parameter gradients, in fp32 (TF32 off; target 1e-5) for Swin V1, Swin V2 and
   MViTv2 (global and hybrid windows); in bf16 autocast each path's output against fp32 ``math``
-  (the relative error bf16 itself brings, about 1e-2);
+  (the relative error bf16 itself brings, about 1e-2); for MViTv2 also the gradients of its
+  training default (relative positions folded into q/k) against the additive bias;
 - **dynamic compile**: ``torch.compile(backbone, dynamic=True)`` at two sizes, then five more
   detection sizes: seconds per call (the first holds the compile; target under 2 minutes on a
   GPU), Dynamo's graph and frame counts after the first two sizes and at the end (equal: no
@@ -100,7 +101,15 @@ def check_paths(name: str, tiny: bool, device: str) -> dict[str, Any]:
             out[f"{path} fp32 max abs diff"] = _max_diff(_outputs(model, x, path), ref)
             out[f"{path} bf16 max rel err"] = _max_rel(_outputs(model, x, path, bf16=True), ref)
     model.train()
-    out["sdpa fp32 grad max abs diff"] = _max_diff(_grads(model, x, "sdpa"), _grads(model, x, "math"))
+    sdpa_grads = _grads(model, x, "sdpa")
+    out["sdpa fp32 grad max abs diff"] = _max_diff(sdpa_grads, _grads(model, x, "math"))
+    if name.startswith("mvitv2"):  # training folds the relative positions into q/k; the bias path must agree
+        attns = [m for m in model.modules() if hasattr(m, "rel_pos_fold")]
+        for m in attns:
+            m.rel_pos_fold = False
+        out["sdpa fp32 grad max abs diff, rel-pos bias vs fold"] = _max_diff(_grads(model, x, "sdpa"), sdpa_grads)
+        for m in attns:
+            m.rel_pos_fold = None
     return out
 
 

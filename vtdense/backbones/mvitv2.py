@@ -49,6 +49,7 @@ from collections import OrderedDict
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vtdense.backbones.base import Backbone, run_blocks
@@ -57,7 +58,7 @@ from vtdense.layers.attention import attention
 from vtdense.layers.chunked import chunking_applies, row_slices
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp
-from vtdense.layers.position import decomposed_rel_pos_bias
+from vtdense.layers.position import decomposed_rel_pos_bias, decomposed_rel_pos_fold
 from vtdense.layers.windows import MASK_VALUE, pad_to_window, window_attention_mask, window_partition, window_reverse
 
 __all__ = ["MultiScaleAttention", "MultiScaleBlock", "MViTv2Stage", "MViTv2"]
@@ -86,6 +87,10 @@ class MultiScaleAttention(nn.Module):
         qkv_bias: learn q/k/v biases.
         residual_pooling: add the pooled query to the attention output.
         attn_drop: dropout on the attention weights.
+        rel_pos_fold: fold the decomposed relative positions into ``q`` and ``k``
+            (:func:`~vtdense.layers.position.decomposed_rel_pos_fold`, window padding as one more
+            column) instead of adding a ``(Nq, Nk)`` bias. Same outputs to float rounding.
+            ``None``: fold when gradients are needed (training), add the bias otherwise.
     """
 
     def __init__(
@@ -101,6 +106,7 @@ class MultiScaleAttention(nn.Module):
         qkv_bias: bool = True,
         residual_pooling: bool = True,
         attn_drop: float = 0.0,
+        rel_pos_fold: bool | None = None,
     ) -> None:
         super().__init__()
         if dim_out % num_heads:
@@ -114,6 +120,7 @@ class MultiScaleAttention(nn.Module):
         self.window = window
         self.residual_pooling = residual_pooling
         self.attn_drop = attn_drop
+        self.rel_pos_fold = rel_pos_fold
         hd = self.head_dim
 
         self.qkv = nn.Linear(dim, 3 * dim_out, bias=qkv_bias)
@@ -182,10 +189,22 @@ class MultiScaleAttention(nn.Module):
         nW = qs.shape[1]
         # (B*heads, nW, N, d) -> (B, nW, heads, N, d): windows lead, as the kernel expects.
         qs, ks, vs = (t.view(B, h, nW, t.shape[2], d).transpose(1, 2) for t in (qs, ks, vs))
-        bias = decomposed_rel_pos_bias(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid)
-        if mask is not None:
-            bias = torch.where(mask[None, :, None], MASK_VALUE, bias)
-        out = attention(qs, ks, vs, bias, dropout=self.attn_drop if self.training else 0.0)
+        dropout = self.attn_drop if self.training else 0.0
+        fold = self.rel_pos_fold
+        if fold is None:
+            fold = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
+        if fold:
+            key_mask = mask[None] if mask is not None else None  # (1, nW, 1, Nk) over (B, nW, heads, Nk)
+            qa, ka = decomposed_rel_pos_fold(qs, ks, self.rel_pos_h, self.rel_pos_w, q_win, k_win, d**-0.5, grid,
+                                             key_mask)
+            # v padded to the same width: fused kernels (flash on CPU and GPU) want equal head dims
+            va = F.pad(vs, (0, qa.shape[-1] - d))
+            out = attention(qa, ka, va, None, scale=1.0, dropout=dropout)[..., :d]
+        else:
+            bias = decomposed_rel_pos_bias(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid)
+            if mask is not None:
+                bias = torch.where(mask[None, :, None], MASK_VALUE, bias)
+            out = attention(qs, ks, vs, bias, dropout=dropout)
         out = out.transpose(1, 2).reshape(B * h, nW, -1, d)
         if self.window:
             out = window_reverse(out, q_win, Hqp, Wqp)
@@ -220,6 +239,7 @@ class MultiScaleBlock(nn.Module):
         qkv_bias: learn q/k/v biases.
         residual_pooling: add the pooled query to the attention output.
         drop_path: stochastic depth rate of both branches.
+        rel_pos_fold: see :class:`MultiScaleAttention`.
     """
 
     def __init__(
@@ -237,6 +257,7 @@ class MultiScaleBlock(nn.Module):
         qkv_bias: bool = True,
         residual_pooling: bool = True,
         drop_path: float = 0.0,
+        rel_pos_fold: bool | None = None,
     ) -> None:
         super().__init__()
         att_dim = dim_out if expand_attn else dim
@@ -256,6 +277,7 @@ class MultiScaleBlock(nn.Module):
             window=window,
             qkv_bias=qkv_bias,
             residual_pooling=residual_pooling,
+            rel_pos_fold=rel_pos_fold,
         )
         self.drop_path1 = DropPath(drop_path)
         self.norm2 = _layer_norm(att_dim)
@@ -341,6 +363,15 @@ class MViTv2(Backbone):
         out_indices: stages (0-based) whose outputs are returned; later stages are not built.
         out_norm: LayerNorm on each emitted feature map (``out_norms``, keyed by output name).
         grad_checkpointing: recompute blocks in backward to save memory.
+        rel_pos_fold: fold the decomposed relative positions into the head dimension of ``q`` and
+            ``k`` (one-hot keys; :func:`~vtdense.layers.position.decomposed_rel_pos_fold`) instead of
+            adding a ``(Nq, Nk)`` bias to the logits (a window's padding becomes one more column):
+            no tensor of that size is made, forward or backward, and attention runs with no
+            mask (SDPA's flash kernel can then take the backward pass too). Same outputs to float
+            rounding; the head dimension grows by ``kh + kw`` (28 at 224 px), padded to a multiple
+            of 8. ``None`` (default): fold when gradients are needed, add the bias in inference,
+            which measured faster on the CPU (``benchmarks/RESULTS.md``: a CPU training step at
+            512x768 1.2x faster with 0.4x the saved activations; inference 5-14 % slower).
     """
 
     family = "mvitv2"
@@ -362,6 +393,7 @@ class MViTv2(Backbone):
         out_indices: Sequence[int] = (0, 1, 2, 3),
         out_norm: bool = True,
         grad_checkpointing: bool = False,
+        rel_pos_fold: bool | None = None,
     ) -> None:
         super().__init__()
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
@@ -433,6 +465,7 @@ class MViTv2(Backbone):
                         qkv_bias=qkv_bias,
                         residual_pooling=residual_pooling,
                         drop_path=rates[sum(depths[:i]) + j],
+                        rel_pos_fold=rel_pos_fold,
                     )
                 )
                 dim = block_out[j]

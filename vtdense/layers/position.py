@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vtdense.layers.windows import MASK_VALUE
+
 __all__ = [
     "relative_position_index",
     "log_spaced_coords",
@@ -19,6 +21,7 @@ __all__ = [
     "resize_rel_pos_table",
     "rel_pos_lookup",
     "decomposed_rel_pos_bias",
+    "decomposed_rel_pos_fold",
 ]
 
 
@@ -194,3 +197,83 @@ def decomposed_rel_pos_bias(
     bias_w = torch.einsum("...hwc,wkc->...hwk", r_q, r_w)
     bias = bias_h[..., :, None] + bias_w[..., None, :]  # ..., qh, qw, kh, kw
     return bias.reshape(*q.shape[:-2], qh * qw, kh * kw)
+
+
+@functools.lru_cache(maxsize=32)
+def _key_one_hot(kh: int, kw: int, pad: int, device: torch.device) -> Tensor:
+    """``(kh * kw, kh + kw + pad)``: for the key at ``(m, n)``, ones at columns ``m`` and
+    ``kh + n``, zeros elsewhere (the last ``pad`` columns are alignment)."""
+    with torch.inference_mode(False), torch.no_grad():
+        rows = torch.arange(kh, device=device).repeat_interleave(kw)
+        cols = torch.arange(kw, device=device).repeat(kh) + kh
+        out = torch.zeros(kh * kw, kh + kw + pad, device=device)
+        idx = torch.arange(kh * kw, device=device)
+        out[idx, rows] = 1.0
+        out[idx, cols] = 1.0
+        return out
+
+
+def decomposed_rel_pos_fold(
+    q: Tensor,
+    k: Tensor,
+    rel_pos_h: Tensor,
+    rel_pos_w: Tensor,
+    q_size: tuple[int, int],
+    k_size: tuple[int, int],
+    scale: float,
+    grid: tuple[tuple[int, int], tuple[int, int]] | None = None,
+    key_mask: Tensor | None = None,
+    align: int = 8,
+) -> tuple[Tensor, Tensor]:
+    """MViTv2's decomposed relative positions folded into the head dimension.
+
+    Returns ``(q', k')`` with ``q' k'^T = scale * q k^T + decomposed_rel_pos_bias(q, ...)``, so
+    attention runs with no additive term (``scale=1``): ``q'`` is ``q * scale`` followed by the
+    query's ``kh`` height terms and ``kw`` width terms (the two small factors of the bias), ``k'``
+    is ``k`` followed by the key's one-hot row and column. No ``(Nq, Nk)`` tensor is made, in the
+    forward or the backward pass, and SDPA is free to choose a kernel that takes no mask. The
+    head dimension grows by ``kh + kw`` (one more with ``key_mask``), padded with zeros to a
+    multiple of ``align``.
+
+    ``key_mask`` (True = blocked key, e.g. a window's padding) becomes one more column:
+    ``MASK_VALUE`` in every query, 1 in blocked keys and 0 elsewhere, so blocked keys get
+    ``MASK_VALUE`` added to their logits (zero weight after the softmax, as with the bias path's
+    ``where``) and the others are unchanged.
+
+    Args:
+        q: queries ``(..., Nq, C)``, row-major over ``q_size``, unscaled.
+        k: keys ``(..., Nk, C)``, row-major over ``k_size``.
+        rel_pos_h, rel_pos_w, q_size, k_size, grid: as for :func:`decomposed_rel_pos_bias`.
+        scale: the logit scale of ``q k^T``.
+        key_mask: boolean, broadcastable to ``k.shape[:-1]``, or ``None``.
+        align: head-dimension multiple of the results.
+
+    Returns:
+        ``q'``: ``(..., Nq, D)`` and ``k'``: ``(..., Nk, D)`` with ``D = C + kh + kw`` rounded up to
+        ``align``, in ``q``'s dtype.
+    """
+    qh, qw = q_size
+    kh, kw = k_size
+    gh = (grid[0][0], grid[1][0]) if grid is not None else None
+    gw = (grid[0][1], grid[1][1]) if grid is not None else None
+    r_h = rel_pos_lookup(qh, kh, rel_pos_h, gh).to(q.dtype)  # qh, kh, C
+    r_w = rel_pos_lookup(qw, kw, rel_pos_w, gw).to(q.dtype)  # qw, kw, C
+    lead, nq, c = q.shape[:-2], q.shape[-2], q.shape[-1]
+    r_q = q.reshape(*lead, qh, qw, c)
+    bias_h = torch.einsum("...hwc,hkc->...hwk", r_q, r_h).reshape(*lead, nq, kh)
+    bias_w = torch.einsum("...hwc,wkc->...hwk", r_q, r_w).reshape(*lead, nq, kw)
+    extra = 0 if key_mask is None else 1
+    pad = -(c + kh + kw + extra) % align
+    parts = [q * scale, bias_h, bias_w]
+    if key_mask is not None:
+        parts.append(q.new_full((*lead, nq, 1), MASK_VALUE))
+    if pad:
+        parts.append(q.new_zeros(*lead, nq, pad))
+    q_aug = torch.cat(parts, -1)
+    one_hot = _key_one_hot(int(kh), int(kw), pad, k.device).to(k.dtype)
+    k_parts = [k, one_hot[:, : kh + kw].expand(*k.shape[:-1], kh + kw)]
+    if key_mask is not None:
+        k_parts.append(key_mask.to(k.dtype).expand(k.shape[:-1]).unsqueeze(-1))
+    if pad:
+        k_parts.append(one_hot[:, kh + kw:].expand(*k.shape[:-1], pad))
+    return q_aug, torch.cat(k_parts, -1)
