@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
-from vtdense.layers.chunked import chunking_applies, row_slices
+from vtdense.layers.chunked import chunking_applies, row_slices, tracing
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp
 from vtdense.layers.position import decomposed_rel_pos_bias, decomposed_rel_pos_fold
@@ -89,7 +89,8 @@ class MultiScaleAttention(nn.Module):
         attn_drop: dropout on the attention weights.
         rel_pos_fold: fold the decomposed relative positions into ``q`` and ``k``
             (:func:`~vtdense.layers.position.decomposed_rel_pos_fold`, window padding as one more
-            column) instead of adding a ``(Nq, Nk)`` bias. Same outputs to float rounding.
+            column) instead of adding a ``(Nq, Nk)`` bias. Same outputs to float rounding. Eager
+            only: graphs (``torch.compile``, ``torch.export``) keep the bias.
             ``None``: fold when gradients are needed (training), add the bias otherwise.
     """
 
@@ -193,13 +194,14 @@ class MultiScaleAttention(nn.Module):
         fold = self.rel_pos_fold
         if fold is None:
             fold = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
-        if fold:
+        # Graphs keep the bias: AOTAutograd's backward of the fold fails at dynamic sizes (torch 2.14).
+        if fold and not tracing():
             key_mask = mask[None] if mask is not None else None  # (1, nW, 1, Nk) over (B, nW, heads, Nk)
             qa, ka = decomposed_rel_pos_fold(qs, ks, self.rel_pos_h, self.rel_pos_w, q_win, k_win, d**-0.5, grid,
                                              key_mask)
             # v padded to the same width: fused kernels (flash on CPU and GPU) want equal head dims
             va = F.pad(vs, (0, qa.shape[-1] - d))
-            out = attention(qa, ka, va, None, scale=1.0, dropout=dropout)[..., :d]
+            out = attention(qa, ka, va, None, scale=1.0, dropout=dropout)[..., :d].contiguous()
         else:
             bias = decomposed_rel_pos_bias(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid)
             if mask is not None:
@@ -369,7 +371,9 @@ class MViTv2(Backbone):
             no tensor of that size is made, forward or backward, and attention runs with no
             mask (SDPA's flash kernel can then take the backward pass too). Same outputs to float
             rounding; the head dimension grows by ``kh + kw`` (28 at 224 px), padded to a multiple
-            of 8. ``None`` (default): fold when gradients are needed, add the bias in inference,
+            of 8. Eager only: ``torch.compile`` and ``torch.export`` graphs keep the bias (the
+            fold's backward does not trace at dynamic sizes with torch 2.14). ``None``
+            (default): fold when gradients are needed, add the bias in inference,
             which measured faster on the CPU (``benchmarks/RESULTS.md``: a CPU training step at
             512x768 1.2x faster with 0.4x the saved activations; inference 5-14 % slower).
     """
