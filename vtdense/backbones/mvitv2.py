@@ -201,7 +201,7 @@ class MultiScaleAttention(nn.Module):
                                              key_mask)
             # v padded to the same width: fused kernels (flash on CPU and GPU) want equal head dims
             va = F.pad(vs, (0, qa.shape[-1] - d))
-            out = attention(qa, ka, va, None, scale=1.0, dropout=dropout)[..., :d].contiguous()
+            out = attention(qa, ka, va, None, scale=1.0, dropout=dropout)[..., :d]
         else:
             bias = decomposed_rel_pos_bias(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid)
             if mask is not None:
