@@ -63,7 +63,13 @@ def worker(rank: int, out: str, init: str) -> None:
     dist.all_gather_object(records, record)
     if rank == 0:
         Path(out).write_text(json.dumps(records))
-    dist.destroy_process_group()
+    dist.barrier()
+    # Leave without tearing the process group down: gloo's teardown after FSDP2 occasionally aborts
+    # one process ("terminate called without an active exception", SIGABRT) once all the work
+    # above is done and written. Both ranks have passed the barrier, so nothing is in flight.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
