@@ -161,6 +161,26 @@ def rel_pos_lookup(
     return table[idx]
 
 
+def _decomposed_terms(
+    q: Tensor,
+    rel_pos_h: Tensor,
+    rel_pos_w: Tensor,
+    q_size: tuple[int, int],
+    k_size: tuple[int, int],
+    grid: tuple[tuple[int, int], tuple[int, int]] | None,
+) -> tuple[Tensor, Tensor]:
+    """The two factors of the decomposed bias: ``q_ij . R_h[i, m]`` as ``(..., qh, qw, kh)`` and
+    ``q_ij . R_w[j, n]`` as ``(..., qh, qw, kw)`` (arguments as for :func:`decomposed_rel_pos_bias`)."""
+    qh, qw = q_size
+    kh, kw = k_size
+    gh = (grid[0][0], grid[1][0]) if grid is not None else None
+    gw = (grid[0][1], grid[1][1]) if grid is not None else None
+    r_h = rel_pos_lookup(qh, kh, rel_pos_h, gh).to(q.dtype)  # qh, kh, C
+    r_w = rel_pos_lookup(qw, kw, rel_pos_w, gw).to(q.dtype)  # qw, kw, C
+    r_q = q.reshape(*q.shape[:-2], qh, qw, q.shape[-1])
+    return torch.einsum("...hwc,hkc->...hwk", r_q, r_h), torch.einsum("...hwc,wkc->...hwk", r_q, r_w)
+
+
 def decomposed_rel_pos_bias(
     q: Tensor,
     rel_pos_h: Tensor,
@@ -186,27 +206,19 @@ def decomposed_rel_pos_bias(
     Returns:
         ``(..., Nq, Nk)`` with ``Nk = k_size[0] * k_size[1]``, row-major keys.
     """
-    qh, qw = q_size
-    kh, kw = k_size
-    gh = (grid[0][0], grid[1][0]) if grid is not None else None
-    gw = (grid[0][1], grid[1][1]) if grid is not None else None
-    r_h = rel_pos_lookup(qh, kh, rel_pos_h, gh).to(q.dtype)  # qh, kh, C
-    r_w = rel_pos_lookup(qw, kw, rel_pos_w, gw).to(q.dtype)  # qw, kw, C
-    r_q = q.reshape(*q.shape[:-2], qh, qw, q.shape[-1])
-    bias_h = torch.einsum("...hwc,hkc->...hwk", r_q, r_h)
-    bias_w = torch.einsum("...hwc,wkc->...hwk", r_q, r_w)
+    bias_h, bias_w = _decomposed_terms(q, rel_pos_h, rel_pos_w, q_size, k_size, grid)
     bias = bias_h[..., :, None] + bias_w[..., None, :]  # ..., qh, qw, kh, kw
-    return bias.reshape(*q.shape[:-2], qh * qw, kh * kw)
+    return bias.reshape(*q.shape[:-2], q_size[0] * q_size[1], k_size[0] * k_size[1])
 
 
 @functools.lru_cache(maxsize=32)
-def _key_one_hot(kh: int, kw: int, pad: int, device: torch.device) -> Tensor:
-    """``(kh * kw, kh + kw + pad)``: for the key at ``(m, n)``, ones at columns ``m`` and
-    ``kh + n``, zeros elsewhere (the last ``pad`` columns are alignment)."""
+def _key_one_hot(kh: int, kw: int, device: torch.device) -> Tensor:
+    """``(kh * kw, kh + kw)``: for the key at ``(m, n)``, ones at columns ``m`` and ``kh + n``,
+    zeros elsewhere."""
     with torch.inference_mode(False), torch.no_grad():
         rows = torch.arange(kh, device=device).repeat_interleave(kw)
         cols = torch.arange(kw, device=device).repeat(kh) + kh
-        out = torch.zeros(kh * kw, kh + kw + pad, device=device)
+        out = torch.zeros(kh * kw, kh + kw, device=device)
         idx = torch.arange(kh * kw, device=device)
         out[idx, rows] = 1.0
         out[idx, cols] = 1.0
@@ -252,28 +264,16 @@ def decomposed_rel_pos_fold(
         ``q'``: ``(..., Nq, D)`` and ``k'``: ``(..., Nk, D)`` with ``D = C + kh + kw`` rounded up to
         ``align``, in ``q``'s dtype.
     """
-    qh, qw = q_size
     kh, kw = k_size
-    gh = (grid[0][0], grid[1][0]) if grid is not None else None
-    gw = (grid[0][1], grid[1][1]) if grid is not None else None
-    r_h = rel_pos_lookup(qh, kh, rel_pos_h, gh).to(q.dtype)  # qh, kh, C
-    r_w = rel_pos_lookup(qw, kw, rel_pos_w, gw).to(q.dtype)  # qw, kw, C
     lead, nq, c = q.shape[:-2], q.shape[-2], q.shape[-1]
-    r_q = q.reshape(*lead, qh, qw, c)
-    bias_h = torch.einsum("...hwc,hkc->...hwk", r_q, r_h).reshape(*lead, nq, kh)
-    bias_w = torch.einsum("...hwc,wkc->...hwk", r_q, r_w).reshape(*lead, nq, kw)
-    extra = 0 if key_mask is None else 1
-    pad = -(c + kh + kw + extra) % align
-    parts = [q * scale, bias_h, bias_w]
+    bias_h, bias_w = _decomposed_terms(q, rel_pos_h, rel_pos_w, q_size, k_size, grid)
+    q_parts = [q * scale, bias_h.reshape(*lead, nq, kh), bias_w.reshape(*lead, nq, kw)]
+    k_parts = [k, _key_one_hot(int(kh), int(kw), k.device).to(k.dtype).expand(*k.shape[:-1], kh + kw)]
     if key_mask is not None:
-        parts.append(q.new_full((*lead, nq, 1), MASK_VALUE))
-    if pad:
-        parts.append(q.new_zeros(*lead, nq, pad))
-    q_aug = torch.cat(parts, -1)
-    one_hot = _key_one_hot(int(kh), int(kw), pad, k.device).to(k.dtype)
-    k_parts = [k, one_hot[:, : kh + kw].expand(*k.shape[:-1], kh + kw)]
-    if key_mask is not None:
+        q_parts.append(q.new_full((*lead, nq, 1), MASK_VALUE))
         k_parts.append(key_mask.to(k.dtype).expand(k.shape[:-1]).unsqueeze(-1))
+    pad = -sum(t.shape[-1] for t in q_parts) % align
     if pad:
-        k_parts.append(one_hot[:, kh + kw:].expand(*k.shape[:-1], pad))
-    return q_aug, torch.cat(k_parts, -1)
+        q_parts.append(q.new_zeros(*lead, nq, pad))
+        k_parts.append(k.new_zeros(*k.shape[:-1], pad))
+    return torch.cat(q_parts, -1), torch.cat(k_parts, -1)
