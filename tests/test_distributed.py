@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,23 @@ def _run(tmp: Path, task: str, data: Path, devices: int, *extra: str) -> dict:
            "--root_dir", str(tmp / f"run_{tag}"), "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if devices > 1:
+        _assert_group_destroyed_at_exit(out, devices)
     return json.loads(out.read_text())
+
+
+def _assert_group_destroyed_at_exit(out: Path, devices: int) -> None:
+    """Every rank tore its gloo group down before interpreter shutdown (``vtdense.distributed``).
+
+    The script's own atexit hook, registered before vtdense's, records what it sees after it.
+    Rank 0 is the process ``subprocess.run`` waited for; the others are its children and may
+    still be leaving, so their records get a little time to appear.
+    """
+    records = [Path(f"{out}.exit{rank}") for rank in range(devices)]
+    deadline = time.monotonic() + 60
+    while not all(r.is_file() for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [r.read_text() if r.is_file() else "no record" for r in records] == ["destroyed"] * devices
 
 
 @pytest.fixture(scope="module")

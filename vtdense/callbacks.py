@@ -24,6 +24,8 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 
+from vtdense.distributed import destroy_process_group_at_exit
+
 __all__ = ["TrainingCurves"]
 
 
@@ -96,6 +98,7 @@ class TrainingCurves(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Resolve the run directory on every rank (``trainer.log_dir`` broadcasts under DDP)."""
+        destroy_process_group_at_exit()  # a clean exit under gloo (see vtdense.distributed)
         log_dir = trainer.log_dir if trainer.loggers else None
         self.run_dir = Path(log_dir if log_dir is not None else trainer.default_root_dir)
 

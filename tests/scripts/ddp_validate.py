@@ -8,6 +8,7 @@ directory and a checksum of the weights.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import sys
@@ -48,6 +49,17 @@ def build(task: str, data: str) -> tuple[L.LightningModule, L.LightningDataModul
     return model, dm
 
 
+#: Set once the trainer exists: this process's rank.
+_RANK: list[int] = []
+
+
+def _record_exit(out: str) -> None:
+    """At exit, write ``<out>.exit<rank>``: whether the process group was still alive at the end."""
+    if _RANK:
+        alive = torch.distributed.is_available() and torch.distributed.is_initialized()
+        Path(f"{out}.exit{_RANK[0]}").write_text("alive" if alive else "destroyed")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--task", choices=["detection", "segmentation"], required=True)
@@ -62,6 +74,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
+    # registered before vtdense's own handler, so it runs after it (atexit is last in, first out)
+    atexit.register(_record_exit, a.out)
     model, dm = build(a.task, a.data)
     options = dict(accelerator="cpu", strategy=a.strategy if a.devices > 1 else "auto", precision=a.precision)
     if a.strategy == "fsdp":
@@ -79,6 +93,7 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
         limit_val_batches=0 if a.fit_steps else None,
     )
+    _RANK.append(trainer.global_rank)
     if a.load_weights:
         model.load_state_dict(torch.load(a.load_weights, weights_only=True))
     if a.fit_steps:

@@ -36,6 +36,7 @@ from vtdense.data.errors import BadSampleError, SkipOnBadSample
 from vtdense.data.images import decode_image
 from vtdense.data.samplers import make_train_loader
 from vtdense.data.synthetic_seg import generate_synthetic_segmentation
+from vtdense.distributed import destroy_process_group_at_exit
 
 __all__ = [
     "IGNORE_INDEX",
@@ -495,6 +496,7 @@ class ADE20KDataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Build the datasets (checks every image has its label map)."""
+        destroy_process_group_at_exit()  # a clean exit under gloo (see vtdense.distributed)
         if stage in ("fit", None) and self.train_dataset is None:
             self.train_dataset = self._dataset(self.hparams.train_split, self.train_transform)
         if stage in ("fit", "validate", "test", None) and self.val_dataset is None:

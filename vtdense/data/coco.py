@@ -60,6 +60,7 @@ from vtdense.data.transforms import (
     detection_train_transforms,
     drop_degenerate_instances,
 )
+from vtdense.distributed import destroy_process_group_at_exit
 
 __all__ = [
     "DEFAULT_MAX_DECODE_SIDE",
@@ -735,6 +736,7 @@ class COCODataModule(L.LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Build the datasets a stage needs (``fit``, ``validate``, ``test``, ``predict``)."""
+        destroy_process_group_at_exit()  # a clean exit under gloo (see vtdense.distributed)
         if stage in (None, "fit", "validate", "predict") and self.val_dataset is None:
             self.val_dataset = self._make("val", train=False)
         if stage in (None, "fit") and self.train_dataset is None:

@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.utils.data import DistributedSampler
 
 from vtdense.data.errors import SKIP_REPORT_NAME, read_skip_report, write_skip_report
+from vtdense.distributed import destroy_process_group_at_exit
 from vtdense.models.compile import check_compile_option, compile_backbone, is_compiled
 from vtdense.tasks.fault import (
     NONFINITE_POLICIES,
@@ -161,6 +162,7 @@ class BaseTask(LightningModule):
 
     def setup(self, stage: str) -> None:
         """Resolve the run directory on every rank (a collective under DDP); save checkpoints atomically."""
+        destroy_process_group_at_exit()  # a clean exit under gloo (see vtdense.distributed)
         if self._trainer is not None:
             self._run_dir = resolve_run_dir(self.trainer)
             strategy = self.trainer.strategy
