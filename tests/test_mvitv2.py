@@ -184,7 +184,8 @@ def _reference_window_attention(attn: MultiScaleAttention, x: torch.Tensor) -> t
     B, H, W, _ = x.shape
     h, d = attn.num_heads, attn.head_dim
     qkv = attn.qkv(x).reshape(B, H, W, 3, h, d).permute(3, 0, 4, 1, 2, 5).reshape(3, B * h, H, W, d)
-    q, k, v = (attn._pool(t, p, n) for t, p, n in zip(qkv, (attn.pool_q, attn.pool_k, attn.pool_v), (attn.norm_q, attn.norm_k, attn.norm_v)))
+    # each head pooled on its own, as the paper and timm do (heads in the batch)
+    q, k, v = (n(p(t.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)) for t, p, n in zip(qkv, (attn.pool_q, attn.pool_k, attn.pool_v), (attn.norm_q, attn.norm_k, attn.norm_v)))
     qw, kw = attn.window // attn.stride_q, attn.window // attn.stride_kv
     assert attn.rel_pos_h.shape[0] == 2 * max(qw, kw) - 1  # no resampling in this reference
     qr, kr = max(kw / qw, 1.0), max(qw / kw, 1.0)

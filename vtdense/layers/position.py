@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vtdense.layers.chunked import tracing
 from vtdense.layers.windows import MASK_VALUE
 
 __all__ = [
@@ -207,8 +208,15 @@ def decomposed_rel_pos_bias(
         ``(..., Nq, Nk)`` with ``Nk = k_size[0] * k_size[1]``, row-major keys.
     """
     bias_h, bias_w = _decomposed_terms(q, rel_pos_h, rel_pos_w, q_size, k_size, grid)
-    bias = bias_h[..., :, None] + bias_w[..., None, :]  # ..., qh, qw, kh, kw
-    return bias.reshape(*q.shape[:-2], q_size[0] * q_size[1], k_size[0] * k_size[1])
+    shape = (*q.shape[:-2], q_size[0] * q_size[1], k_size[0] * k_size[1])
+    if tracing() or (torch.is_grad_enabled() and (bias_h.requires_grad or bias_w.requires_grad)):
+        return (bias_h[..., :, None] + bias_w[..., None, :]).reshape(shape)  # ..., qh, qw, kh, kw
+    # Without autograd, summed straight into a contiguous tensor: left to itself the broadcast
+    # sum follows the strides of its inputs (q's layout), and the reshape would copy the whole
+    # term once more.
+    bias = bias_h.new_empty((*bias_h.shape, k_size[1]), dtype=torch.result_type(bias_h, bias_w))
+    torch.add(bias_h[..., :, None], bias_w[..., None, :], out=bias)
+    return bias.view(shape)
 
 
 @functools.lru_cache(maxsize=32)
