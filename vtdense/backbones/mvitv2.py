@@ -140,9 +140,9 @@ class MultiScaleAttention(nn.Module):
         nn.init.trunc_normal_(self.rel_pos_h, std=0.02)
         nn.init.trunc_normal_(self.rel_pos_w, std=0.02)
 
-    def _pool(self, x: Tensor, weight: Tensor, pool: nn.Conv2d, norm: nn.LayerNorm) -> Tensor:
-        """Project ``x`` (``(B, H, W, dim)``) with the rows ``weight`` of ``qkv``, pool every head
-        and normalise: ``(B, H', W', heads, d)``, contiguous.
+    def _pool(self, x: Tensor, part: int, pool: nn.Conv2d, norm: nn.LayerNorm) -> Tensor:
+        """Project ``x`` (``(B, H, W, dim)``) with part ``part`` (0: q, 1: k, 2: v) of ``qkv``, pool
+        every head and normalise: ``(B, H', W', heads, d)``, contiguous.
 
         One depthwise conv over all ``heads * d`` channels, its ``d`` filters repeated per head
         (the same filters as a ``(B * heads, d)`` conv, with no copy to bring the heads into the
@@ -150,7 +150,7 @@ class MultiScaleAttention(nn.Module):
         3-5x faster than a strided view into a ``3 * dim_out`` wide ``qkv``."""
         B = x.shape[0]
         h, d = self.num_heads, self.head_dim
-        rows = slice(weight * self.dim_out, (weight + 1) * self.dim_out)
+        rows = slice(part * self.dim_out, (part + 1) * self.dim_out)
         bias = self.qkv.bias[rows] if self.qkv.bias is not None else None
         y = F.linear(x, self.qkv.weight[rows], bias).permute(0, 3, 1, 2)  # channels-last (B, h*d, H, W)
         filters = pool.weight if h == 1 else pool.weight.repeat(h, 1, 1, 1)
