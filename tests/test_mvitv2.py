@@ -225,6 +225,38 @@ def test_window_attention_matches_unpadded_reference(size: tuple[int, int]) -> N
     assert (got - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("window", [0, 8])
+def test_replaced_or_hooked_qkv_is_called(window: int) -> None:
+    """The attention projects q/k/v with row slices of a plain ``qkv`` Linear; a hooked or
+    replaced ``qkv`` (LoRA, quantisation) must still be called, with the same outputs when it
+    computes the same thing, and its change must reach the output."""
+    attn = MultiScaleAttention(16, 32, 2, stride_q=2, stride_kv=2, feat_size=8, window=window).eval()
+    randomize_(attn, seed=3)
+    x = torch.randn(2, 9, 11, 16)
+    with torch.no_grad():
+        plain = attn(x)
+        calls = []
+        handle = attn.qkv.register_forward_hook(lambda m, i, o: calls.append(1))
+        hooked = attn(x)
+        handle.remove()
+        assert calls == [1]
+        assert (hooked - plain).abs().max().item() < 1e-5
+
+        class Doubled(torch.nn.Linear):  # a replaced projection: 2 * qkv(x)
+            def forward(self, t: torch.Tensor) -> torch.Tensor:
+                return 2 * super().forward(t)
+
+        doubled = Doubled(16, 96)
+        doubled.load_state_dict(attn.qkv.state_dict())
+        attn.qkv = doubled
+        replaced = attn(x)
+        attn.qkv = torch.nn.Linear(16, 96)
+        attn.qkv.load_state_dict({k: 2 * v for k, v in doubled.state_dict().items()})
+        expected = attn(x)
+    assert (replaced - expected).abs().max().item() < 1e-5
+    assert (replaced - plain).abs().max().item() > 1e-3
+
+
 def test_padding_content_does_not_reach_real_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     model = randomize_(vtdense.create_backbone("mvitv2_tiny", window_size=16), seed=4).eval()
     x = torch.randn(1, 3, 97, 131)  # stage grids 25x33, 13x17, 7x9, 4x5: every window level pads

@@ -140,21 +140,31 @@ class MultiScaleAttention(nn.Module):
         nn.init.trunc_normal_(self.rel_pos_h, std=0.02)
         nn.init.trunc_normal_(self.rel_pos_w, std=0.02)
 
-    def _pool(self, x: Tensor, part: int, pool: nn.Conv2d, norm: nn.LayerNorm) -> Tensor:
-        """Project ``x`` (``(B, H, W, dim)``) with part ``part`` (0: q, 1: k, 2: v) of ``qkv``, pool
-        every head and normalise: ``(B, H', W', heads, d)``, contiguous.
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """``q``, ``k``, ``v`` of ``x`` (``(B, H, W, dim)``), each a dense ``(B, H, W, dim_out)``.
 
-        One depthwise conv over all ``heads * d`` channels, its ``d`` filters repeated per head
-        (the same filters as a ``(B * heads, d)`` conv, with no copy to bring the heads into the
-        batch); the projection is dense and channels-last, which oneDNN's depthwise conv reads
-        3-5x faster than a strided view into a ``3 * dim_out`` wide ``qkv``."""
-        B = x.shape[0]
+        A plain ``nn.Linear`` ``qkv`` is applied as three matmuls on row slices of its weight, so
+        each projection comes out dense (the pooling conv reads a strided view into a
+        ``3 * dim_out`` wide ``qkv`` several times slower than a dense input). A replaced or hooked
+        ``qkv`` (LoRA, quantisation, a user's hook) is called as a module, and its output split."""
+        lin = self.qkv
+        if type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
+            c = self.dim_out
+            bias = lin.bias.split(c) if lin.bias is not None else (None, None, None)
+            return tuple(F.linear(x, w, b) for w, b in zip(lin.weight.split(c), bias))  # type: ignore[return-value]
+        return tuple(t.contiguous() for t in lin(x).chunk(3, dim=-1))  # type: ignore[return-value]
+
+    def _pool(self, y: Tensor, pool: nn.Conv2d, norm: nn.LayerNorm) -> Tensor:
+        """Pool every head of ``y`` (``(B, H, W, heads * d)``, dense) and normalise:
+        ``(B, H', W', heads, d)``, contiguous.
+
+        One depthwise conv over all ``heads * d`` channels, its ``d`` filters repeated per head:
+        the same filters as a ``(B * heads, d)`` conv, with no copy to bring the heads into the
+        batch; the input is channels-last as it stands."""
+        B = y.shape[0]
         h, d = self.num_heads, self.head_dim
-        rows = slice(part * self.dim_out, (part + 1) * self.dim_out)
-        bias = self.qkv.bias[rows] if self.qkv.bias is not None else None
-        y = F.linear(x, self.qkv.weight[rows], bias).permute(0, 3, 1, 2)  # channels-last (B, h*d, H, W)
         filters = pool.weight if h == 1 else pool.weight.repeat(h, 1, 1, 1)
-        y = F.conv2d(y, filters, None, pool.stride, pool.padding, groups=h * d)
+        y = F.conv2d(y.permute(0, 3, 1, 2), filters, None, pool.stride, pool.padding, groups=h * d)
         y = y.permute(0, 2, 3, 1)  # (B, H', W', h*d), a view when the conv kept channels-last
         return norm(y.reshape(B, *y.shape[1:3], h, d))
 
@@ -166,9 +176,10 @@ class MultiScaleAttention(nn.Module):
         """
         B = x.shape[0]
         h, d = self.num_heads, self.head_dim
-        q = self._pool(x, 0, self.pool_q, self.norm_q)  # (B, Hq, Wq, h, d)
-        k = self._pool(x, 1, self.pool_k, self.norm_k)
-        v = self._pool(x, 2, self.pool_v, self.norm_v)
+        q, k, v = self._project(x)
+        q = self._pool(q, self.pool_q, self.norm_q)  # (B, Hq, Wq, h, d)
+        k = self._pool(k, self.pool_k, self.norm_k)
+        v = self._pool(v, self.pool_v, self.norm_v)
         Hq, Wq = q.shape[1:3]
         Hk, Wk = k.shape[1:3]
 
