@@ -57,7 +57,7 @@ from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.chunked import chunking_applies, row_slices, tracing
 from vtdense.layers.drop import DropPath
-from vtdense.layers.mlp import Mlp
+from vtdense.layers.mlp import Mlp, plain_linear
 from vtdense.layers.position import decomposed_rel_pos_bias, decomposed_rel_pos_fold
 from vtdense.layers.windows import MASK_VALUE, pad_to_window, window_attention_mask, window_partition, window_reverse
 
@@ -148,7 +148,7 @@ class MultiScaleAttention(nn.Module):
         ``3 * dim_out`` wide ``qkv`` several times slower than a dense input). A replaced or hooked
         ``qkv`` (LoRA, quantisation, a user's hook) is called as a module, and its output split."""
         lin = self.qkv
-        if type(lin) is nn.Linear and not (lin._forward_hooks or lin._forward_pre_hooks):
+        if plain_linear(lin):
             c = self.dim_out
             bias = lin.bias.split(c) if lin.bias is not None else (None, None, None)
             return tuple(F.linear(x, w, b) for w, b in zip(lin.weight.split(c), bias))  # type: ignore[return-value]
@@ -212,7 +212,7 @@ class MultiScaleAttention(nn.Module):
         dropout = self.attn_drop if self.training else 0.0
         fold = self.rel_pos_fold
         if fold is None:
-            fold = torch.is_grad_enabled() and (x.requires_grad or self.qkv.weight.requires_grad)
+            fold = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or self.rel_pos_h.requires_grad)
         # Graphs keep the bias: AOTAutograd's backward of the fold fails at dynamic sizes (torch 2.14).
         if fold and not tracing():
             key_mask = mask[None] if mask is not None else None  # (1, nW, 1, Nk) over (B, nW, heads, Nk)

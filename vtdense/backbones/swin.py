@@ -34,7 +34,7 @@ from vtdense.layers.cpu_window_attention import (
     qkv_window_attention_applies,
 )
 from vtdense.layers.drop import DropPath
-from vtdense.layers.mlp import Mlp, norm_linear
+from vtdense.layers.mlp import Mlp, norm_linear, plain_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
 from vtdense.layers.windows import (
     MASK_VALUE,
@@ -181,7 +181,7 @@ class WindowAttention(nn.Module):
         B, nW, N, C = x.shape
         h = self.num_heads
         dropout = self.attn_drop if self.training else 0.0
-        if (norm is not None and not self.cosine and isinstance(norm, nn.LayerNorm)
+        if (norm is not None and not self.cosine and isinstance(norm, nn.LayerNorm) and plain_linear(self.qkv)
                 and qkv_window_attention_applies(x, dropout, 3 * x.numel() * x.element_size())):
             # CPU training: norm, qkv and attention over chunks of windows (see its module)
             if term is None:
@@ -190,7 +190,8 @@ class WindowAttention(nn.Module):
             return self.proj_drop(self.proj(out.transpose(2, 3).reshape(B, nW, N, C)))
         if self.cosine and self.q_bias is not None:
             bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
-            qkv = F.linear(norm(x) if norm is not None else x, self.qkv.weight, bias)
+            xn = norm(x) if norm is not None else x
+            qkv = F.linear(xn, self.qkv.weight, bias) if plain_linear(self.qkv) else self.qkv(xn) + bias
         elif norm is not None:
             qkv = norm_linear(x, norm, self.qkv)
         else:

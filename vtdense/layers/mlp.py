@@ -12,7 +12,15 @@ from torch import Tensor, nn
 from vtdense.layers.chunked import row_slices
 from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
 
-__all__ = ["Mlp", "gelu_linear", "norm_linear"]
+__all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear"]
+
+
+def plain_linear(module: nn.Module) -> bool:
+    """Whether ``module`` is exactly an ``nn.Linear`` with no forward hooks, so that a fused path
+    may read its ``weight`` and ``bias`` instead of calling it. A subclass or a wrapper (LoRA
+    adapters, quantised or sparse layers) or a hooked layer computes something else, and must be
+    called as a module."""
+    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
 
 
 def _compute_weight(weight: Tensor) -> Tensor:
@@ -62,7 +70,8 @@ class _GeluLinear(torch.autograd.Function):
 def gelu_linear(h: Tensor, linear: nn.Linear) -> Tensor:
     """``linear(gelu(h))``; when training eagerly it stores only ``h`` for the backward pass
     (:class:`_GeluLinear`). ``h``: ``(..., in)`` -> ``(..., out)``."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and (h.requires_grad or linear.weight.requires_grad):
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(linear)
+            and (h.requires_grad or linear.weight.requires_grad)):
         return _GeluLinear.apply(h, linear.weight, linear.bias)
     return linear(F.gelu(h))
 
@@ -108,7 +117,8 @@ def _is_last_dim_layer_norm(norm: nn.Module) -> bool:
 def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     """``linear(norm(x))``; when training eagerly it stores only ``x`` for the backward pass
     (the norm is recomputed there). ``x``: ``(..., in)`` -> ``(..., out)``."""
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling() and _is_last_dim_layer_norm(norm):
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling() and _is_last_dim_layer_norm(norm)
+            and plain_linear(linear)):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     return linear(norm(x))
 
@@ -142,7 +152,8 @@ class Mlp(nn.Module):
         if self.drop.p and self.training:
             x = norm(x) if norm is not None else x
             return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
-        if (norm is None or _is_last_dim_layer_norm(norm)) and chunked_mlp_applies(x, self.fc1.out_features):
+        if ((norm is None or _is_last_dim_layer_norm(norm)) and plain_linear(self.fc1) and plain_linear(self.fc2)
+                and chunked_mlp_applies(x, self.fc1.out_features)):
             return self.drop(chunked_mlp(x, self.fc1, self.fc2, norm))
         h = norm_linear(x, norm, self.fc1) if norm is not None else self.fc1(x)
         return self.drop(gelu_linear(h, self.fc2))
