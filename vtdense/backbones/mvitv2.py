@@ -222,9 +222,15 @@ class MultiScaleAttention(nn.Module):
             va = F.pad(vs, (0, qa.shape[-1] - d))
             out = attention(qa, ka, va, None, scale=1.0, dropout=dropout)[..., :d]
         else:
-            bias = decomposed_rel_pos_bias(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid)
+            key_terms = None
             if mask is not None:
-                bias = torch.where(mask[None, :, None], MASK_VALUE, bias)
+                # A window's padded keys are whole rows or columns of its key grid: MASK_VALUE on
+                # them in the two factors of the bias (a blocked key gets -1e4 or -2e4 added, zero
+                # weight after the softmax either way), instead of a pass over the whole term.
+                blocked = mask.view(-1, *k_win)  # nW, kh, kw
+                key_terms = (MASK_VALUE * blocked.all(2).view(-1, 1, 1, 1, k_win[0]),
+                             MASK_VALUE * blocked.all(1).view(-1, 1, 1, 1, k_win[1]))
+            bias = decomposed_rel_pos_bias(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid, key_terms)
             out = attention(qs, ks, vs, bias, dropout=dropout)
         out = out.transpose(2, 3).reshape(B, nW, -1, h * d)  # a view when the kernel wrote (.., N, h, d)
         if self.window:

@@ -189,6 +189,7 @@ def decomposed_rel_pos_bias(
     q_size: tuple[int, int],
     k_size: tuple[int, int],
     grid: tuple[tuple[int, int], tuple[int, int]] | None = None,
+    key_terms: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:
     """Additive attention term ``(..., Nq, Nk)`` from decomposed height/width tables.
 
@@ -203,11 +204,18 @@ def decomposed_rel_pos_bias(
         k_size: key grid ``(h, w)``.
         grid: nominal ``(q_grid, k_grid)`` the offsets are measured on (a window that was clipped
             to a smaller map); ``None`` = the actual grids. See :func:`rel_pos_lookup`.
+        key_terms: optional per-key-row and per-key-column additions ``(add_h, add_w)``,
+            broadcastable to ``(..., qh, qw, kh)`` and ``(..., qh, qw, kw)``: key ``(m, n)`` gets
+            ``add_h[m] + add_w[n]`` (e.g. ``MASK_VALUE`` on a window's padded rows and columns),
+            folded into the two small factors, so the ``(Nq, Nk)`` term takes no extra pass.
 
     Returns:
         ``(..., Nq, Nk)`` with ``Nk = k_size[0] * k_size[1]``, row-major keys.
     """
     bias_h, bias_w = _decomposed_terms(q, rel_pos_h, rel_pos_w, q_size, k_size, grid)
+    if key_terms is not None:
+        bias_h = bias_h + key_terms[0].to(bias_h.dtype)
+        bias_w = bias_w + key_terms[1].to(bias_w.dtype)
     shape = (*q.shape[:-2], q_size[0] * q_size[1], k_size[0] * k_size[1])
     if tracing() or (torch.is_grad_enabled() and (bias_h.requires_grad or bias_w.requires_grad)):
         return (bias_h[..., :, None] + bias_w[..., None, :]).reshape(shape)  # ..., qh, qw, kh, kw
