@@ -46,7 +46,7 @@ token.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
