@@ -129,3 +129,27 @@ def test_pretrained_window_size_per_stage_and_errors() -> None:
     with pytest.raises(ValueError, match="only applies to Swin V2"):
         vtdense.create_backbone("swin_tiny", pretrained_window_size=(0, 0, 0, 7))
     assert effective_window((8, 40), (16, 16), (8, 8)) == ((8, 16), (0, 8))
+
+
+def test_whole_model_cast_to_another_dtype_matches_timm_where_stages_are_smaller_than_the_window() -> None:
+    """``.double()`` / ``.bfloat16()`` of the whole model: a shrunk window's Log-CPB coordinates
+    follow the model's dtype (they came from a float32 cache, and the CPB MLP raised a dtype
+    mismatch). In float64, timm cast the same way agrees to 1e-10."""
+    from timm.models.swin_transformer_v2 import SwinTransformerV2
+
+    size = (64, 128)  # stage maps (16, 32) (8, 16) (4, 8) (2, 4): stages 3 and 4 shrink window 8, no padding
+    cfg = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_size=8)
+    ref = randomize_(SwinTransformerV2(img_size=size, num_classes=0, **cfg).eval(), seed=5)
+    ours = vtdense.create_backbone("swinv2_tiny", **cfg, out_norm=False).eval()
+    missing, unexpected = vtdense.load_pretrained(ours, ref.state_dict())
+    assert missing == [] and unexpected == []
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with torch.no_grad():
+        expected = ref.double().forward_intermediates(x, intermediates_only=True)[-1]  # NCHW, no final norm
+        got = ours.double()(x)["stage4"]
+        assert got.dtype == torch.float64
+        assert (got - expected).abs().max().item() < 1e-10
+        for dtype in (torch.bfloat16, torch.float16):
+            low = ours.to(dtype)(x.to(dtype))["stage4"]
+            assert low.dtype == dtype and torch.isfinite(low).all()
+            assert (low.double() - expected).abs().max().item() < 0.1 * expected.abs().max().item()

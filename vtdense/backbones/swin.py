@@ -116,7 +116,8 @@ class WindowAttention(nn.Module):
         if self.cosine:
             coords = self.relative_coords_table
             if window != tuple(self.window_size):
-                coords = log_cpb_coords(window, self.pretrained_window_size, coords.device)
+                # the cached coordinates are float32: follow the buffer's dtype (.double(), .half())
+                coords = log_cpb_coords(window, self.pretrained_window_size, coords.device).to(coords.dtype)
             table = 16 * torch.sigmoid(self.cpb_mlp(coords))
             table_window = window
         else:
