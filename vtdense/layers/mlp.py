@@ -97,15 +97,20 @@ class _NormLinear(torch.autograd.Function):
         x, norm_w, norm_b, weight = ctx.saved_tensors
         dtype = grad.dtype
         amp = torch.autocast(ctx.amp[0], dtype=ctx.amp[2], enabled=ctx.amp[1]) if ctx.amp else contextlib.nullcontext()
+        # Under create_graph (a double backward: gradient penalties, Hessian products) the gradients
+        # must themselves be differentiable: the norm is recomputed from the saved tensors and
+        # differentiated with create_graph, not from detached copies.
+        create_graph = torch.is_grad_enabled()
         with torch.enable_grad(), amp:
-            leaves = [t.detach().requires_grad_(True) if t is not None else None for t in (x, norm_w, norm_b)]
+            leaves = [t if t is None or create_graph else t.detach().requires_grad_(True) for t in (x, norm_w, norm_b)]
             y = F.layer_norm(leaves[0], x.shape[-1:], leaves[1], leaves[2], ctx.eps)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_y = (g2 @ weight.to(dtype)).view(*grad.shape[:-1], weight.shape[1])
         wanted = [t for t, need in zip(leaves, ctx.needs_input_grad[:3]) if t is not None and need]
-        found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype))) if wanted else iter(())
+        found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype), create_graph=create_graph)) if wanted else iter(())
         grads_in = [next(found) if t is not None and need else None for t, need in zip(leaves, ctx.needs_input_grad[:3])]
-        grad_w = (g2.t() @ y.detach().to(dtype).reshape(-1, y.shape[-1])).to(ctx.weight_dtype) if ctx.needs_input_grad[4] else None
+        y_w = y if create_graph else y.detach()
+        grad_w = (g2.t() @ y_w.to(dtype).reshape(-1, y.shape[-1])).to(ctx.weight_dtype) if ctx.needs_input_grad[4] else None
         grad_b = g2.sum(0).to(ctx.weight_dtype) if ctx.has_bias and ctx.needs_input_grad[5] else None
         return grads_in[0], grads_in[1], grads_in[2], None, grad_w, grad_b
 
