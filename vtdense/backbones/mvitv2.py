@@ -57,7 +57,8 @@ from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.chunked import chunking_applies, row_slices, tracing
 from vtdense.layers.drop import DropPath
-from vtdense.layers.mlp import Mlp, plain_linear
+from vtdense.layers.mlp import Mlp
+from vtdense.layers.plain import plain_linear, plain_module
 from vtdense.layers.position import decomposed_rel_pos_bias, decomposed_rel_pos_fold
 from vtdense.layers.windows import MASK_VALUE, pad_to_window, window_attention_mask, window_partition, window_reverse
 
@@ -163,6 +164,10 @@ class MultiScaleAttention(nn.Module):
         batch; the input is channels-last as it stands."""
         B = y.shape[0]
         h, d = self.num_heads, self.head_dim
+        if not plain_module(pool, nn.Conv2d):  # a replaced or hooked pool: one call over (B * heads, d) maps
+            H, W = y.shape[1:3]
+            z = pool(y.view(B, H, W, h, d).permute(0, 3, 4, 1, 2).reshape(B * h, d, H, W))
+            return norm(z.view(B, h, d, *z.shape[2:]).permute(0, 3, 4, 1, 2).contiguous())
         filters = pool.weight if h == 1 else pool.weight.repeat(h, 1, 1, 1)
         y = F.conv2d(y.permute(0, 3, 1, 2), filters, None, pool.stride, pool.padding, groups=h * d)
         y = y.permute(0, 2, 3, 1)  # (B, H', W', h*d), a view when the conv kept channels-last

@@ -34,7 +34,8 @@ from vtdense.layers.cpu_window_attention import (
     qkv_window_attention_applies,
 )
 from vtdense.layers.drop import DropPath
-from vtdense.layers.mlp import Mlp, norm_linear, plain_linear
+from vtdense.layers.mlp import Mlp, norm_linear
+from vtdense.layers.plain import plain_layer_norm, plain_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
 from vtdense.layers.windows import (
     MASK_VALUE,
@@ -182,7 +183,7 @@ class WindowAttention(nn.Module):
         B, nW, N, C = x.shape
         h = self.num_heads
         dropout = self.attn_drop if self.training else 0.0
-        if (norm is not None and not self.cosine and isinstance(norm, nn.LayerNorm) and plain_linear(self.qkv)
+        if (norm is not None and not self.cosine and plain_layer_norm(norm) and plain_linear(self.qkv)
                 and qkv_window_attention_applies(x, dropout, 3 * x.numel() * x.element_size())):
             # CPU training: norm, qkv and attention over chunks of windows (see its module)
             if term is None:

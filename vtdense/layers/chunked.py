@@ -29,6 +29,8 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
+from vtdense.layers.plain import hooks_below
+
 __all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "training_chunking_applies",
            "TRAIN_CHUNK_MIN_BYTES", "NormLinearGrads", "row_slices", "window_slices", "tracing"]
 
@@ -77,15 +79,17 @@ def tracing() -> bool:
 
 def chunking_applies(x: Tensor, module: nn.Module) -> bool:
     """Whether ``module`` may run ``x`` in chunks: eval mode (dropout and drop path are identity),
-    on the CPU, no gradient to ``x`` or to any of ``module``'s parameters, autocast off, and not
-    inside a compiler, exporter or tracer."""
+    on the CPU, no gradient to ``x`` or to any of ``module``'s parameters, autocast off, not
+    inside a compiler, exporter or tracer, and no forward hook on any of ``module``'s layers
+    (:func:`~vtdense.layers.plain.hooks_below`)."""
     if not _enabled or module.training or x.device.type != "cpu":
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in module.parameters())):
         return False
     if torch.is_autocast_enabled("cpu"):
         return False
-    return not tracing()
+    # chunks call the block's layers once per slice of rows: not where a hook would see each call
+    return not tracing() and not hooks_below(module)
 
 
 def training_chunking_applies(x: Tensor, nbytes: int) -> bool:

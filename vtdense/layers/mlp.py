@@ -11,16 +11,9 @@ from torch import Tensor, nn
 
 from vtdense.layers.chunked import row_slices
 from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
+from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
 
 __all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear"]
-
-
-def plain_linear(module: nn.Module) -> bool:
-    """Whether ``module`` is exactly an ``nn.Linear`` with no forward hooks, so that a fused path
-    may read its ``weight`` and ``bias`` instead of calling it. A subclass or a wrapper (LoRA
-    adapters, quantised or sparse layers) or a hooked layer computes something else, and must be
-    called as a module."""
-    return type(module) is nn.Linear and not (module._forward_hooks or module._forward_pre_hooks)
 
 
 def _compute_weight(weight: Tensor) -> Tensor:
@@ -115,14 +108,10 @@ class _NormLinear(torch.autograd.Function):
         return grads_in[0], grads_in[1], grads_in[2], None, grad_w, grad_b
 
 
-def _is_last_dim_layer_norm(norm: nn.Module) -> bool:
-    return isinstance(norm, nn.LayerNorm) and len(norm.normalized_shape) == 1
-
-
 def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     """``linear(norm(x))``; when training eagerly it stores only ``x`` for the backward pass
     (the norm is recomputed there). ``x``: ``(..., in)`` -> ``(..., out)``."""
-    if (torch.is_grad_enabled() and not torch.compiler.is_compiling() and _is_last_dim_layer_norm(norm)
+    if (torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_layer_norm(norm)
             and plain_linear(linear)):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     return linear(norm(x))
@@ -154,10 +143,10 @@ class Mlp(nn.Module):
 
     def forward(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
         """``x``: ``(..., dim)``; ``norm``: a pre-norm to apply first (fused with ``fc1``)."""
-        if self.drop.p and self.training:
+        if (self.drop.p and self.training) or not plain_gelu(self.act):
             x = norm(x) if norm is not None else x
             return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
-        if ((norm is None or _is_last_dim_layer_norm(norm)) and plain_linear(self.fc1) and plain_linear(self.fc2)
+        if ((norm is None or plain_layer_norm(norm)) and plain_linear(self.fc1) and plain_linear(self.fc2)
                 and chunked_mlp_applies(x, self.fc1.out_features)):
             return self.drop(chunked_mlp(x, self.fc1, self.fc2, norm))
         h = norm_linear(x, norm, self.fc1) if norm is not None else self.fc1(x)
@@ -177,6 +166,6 @@ class Mlp(nn.Module):
         for sl in row_slices(rows.shape[0], self.fc1.out_features * y.element_size()):
             r = src[sl]
             h = self.fc1(norm(r) if norm is not None else r)
-            t = self.fc2(torch.ops.aten.gelu_(h))
+            t = self.fc2(torch.ops.aten.gelu_(h) if plain_gelu(self.act) else self.act(h))
             rows[sl].add_(post_norm(t) if post_norm is not None else t)
         return y
