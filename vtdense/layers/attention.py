@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vtdense.layers.chunked import tracing
+from vtdense.layers.chunked import functorch_transform, tracing
 
 __all__ = ["attention", "set_attention_backend", "attention_backend", "get_attention_backend", "flex_available"]
 
@@ -195,6 +195,8 @@ def attention(
         ``(..., heads, Nq, d)``.
     """
     backend = backend or _backend
+    if backend == "sdpa" and mask is not None and functorch_transform():
+        backend = "math"  # vmap's SDPA rule may pick a fused kernel that takes no gradient for the term
     lead = q.shape[:-3]
     h, nq, d = q.shape[-3:]
     nk = k.shape[-2]

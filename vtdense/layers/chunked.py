@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from vtdense.layers.plain import hooks_below
 
 __all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "training_chunking_applies",
-           "TRAIN_CHUNK_MIN_BYTES", "NormLinearGrads", "row_slices", "window_slices", "tracing"]
+           "TRAIN_CHUNK_MIN_BYTES", "NormLinearGrads", "row_slices", "window_slices", "tracing", "functorch_transform"]
 
 #: Target size of the largest temporary of one chunk (bytes). A few MiB keeps it in the L2/L3
 #: caches of current CPUs and well under glibc's 32 MiB ceiling for reusing freed memory.
@@ -70,11 +70,22 @@ def cpu_chunking(enabled: bool) -> Iterator[None]:
         set_cpu_chunking(old)
 
 
+def functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...) is
+    running: its tensors are wrappers that custom autograd functions, in-place writes into
+    chunks and memory-format queries do not support, and nothing computed under it may be cached."""
+    if torch.compiler.is_compiling():  # Dynamo runs the transforms itself, and graphs take the plain path anyway
+        return False
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def tracing() -> bool:
     """Whether a graph is being built (``torch.compile``, ``torch.export``, TorchScript tracing or
-    scripting): eager-only shortcuts must then keep the plain, shape-generic form."""
+    scripting) or a ``torch.func`` transform runs (:func:`functorch_transform`): eager-only
+    shortcuts (fused autograd functions, chunking, caches) must then keep the plain form."""
     return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-            or torch.jit.is_scripting())
+            or torch.jit.is_scripting() or functorch_transform())
 
 
 def chunking_applies(x: Tensor, module: nn.Module) -> bool:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vtdense.layers.chunked import row_slices
+from vtdense.layers.chunked import row_slices, tracing
 from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
 from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
 
@@ -63,7 +63,7 @@ class _GeluLinear(torch.autograd.Function):
 def gelu_linear(h: Tensor, linear: nn.Linear) -> Tensor:
     """``linear(gelu(h))``; when training eagerly it stores only ``h`` for the backward pass
     (:class:`_GeluLinear`). ``h``: ``(..., in)`` -> ``(..., out)``."""
-    if (torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_linear(linear)
+    if (torch.is_grad_enabled() and not tracing() and plain_linear(linear)
             and (h.requires_grad or linear.weight.requires_grad)):
         return _GeluLinear.apply(h, linear.weight, linear.bias)
     return linear(F.gelu(h))
@@ -111,7 +111,7 @@ class _NormLinear(torch.autograd.Function):
 def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     """``linear(norm(x))``; when training eagerly it stores only ``x`` for the backward pass
     (the norm is recomputed there). ``x``: ``(..., in)`` -> ``(..., out)``."""
-    if (torch.is_grad_enabled() and not torch.compiler.is_compiling() and plain_layer_norm(norm)
+    if (torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
             and plain_linear(linear)):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     return linear(norm(x))
