@@ -126,7 +126,9 @@ class WindowAttention(nn.Module):
             table_window = self.window_size
         idx = relative_position_index(window, table_window, table.device)
         n = window[0] * window[1]
-        return table[idx.view(-1)].view(n, n, -1).permute(2, 0, 1)
+        # gathered head-major, so the bias and the terms built from it are contiguous (h, N, N) and the
+        # attention's reshapes of them are views, not copies
+        return table.t().index_select(1, idx.view(-1)).view(-1, n, n)
 
     def _bias_params(self) -> list[Tensor]:
         return list(self.cpb_mlp.parameters()) if self.cosine else [self.relative_position_bias_table]
