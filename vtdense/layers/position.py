@@ -22,6 +22,8 @@ __all__ = [
     "resize_rel_pos_table",
     "rel_pos_lookup",
     "decomposed_rel_pos_bias",
+    "decomposed_rel_pos_factors",
+    "sum_rel_pos_factors",
     "decomposed_rel_pos_fold",
 ]
 
@@ -212,17 +214,39 @@ def decomposed_rel_pos_bias(
     Returns:
         ``(..., Nq, Nk)`` with ``Nk = k_size[0] * k_size[1]``, row-major keys.
     """
+    return sum_rel_pos_factors(*decomposed_rel_pos_factors(q, rel_pos_h, rel_pos_w, q_size, k_size, grid, key_terms))
+
+
+def decomposed_rel_pos_factors(
+    q: Tensor,
+    rel_pos_h: Tensor,
+    rel_pos_w: Tensor,
+    q_size: tuple[int, int],
+    k_size: tuple[int, int],
+    grid: tuple[tuple[int, int], tuple[int, int]] | None = None,
+    key_terms: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The two small factors of :func:`decomposed_rel_pos_bias` (same arguments), ``key_terms``
+    included: ``(..., qh, qw, kh)`` and ``(..., qh, qw, kw)``. :func:`sum_rel_pos_factors` of any
+    slice of them over the leading dims and query rows is that slice of the bias."""
     bias_h, bias_w = _decomposed_terms(q, rel_pos_h, rel_pos_w, q_size, k_size, grid)
     if key_terms is not None:
         bias_h = bias_h + key_terms[0].to(bias_h.dtype)
         bias_w = bias_w + key_terms[1].to(bias_w.dtype)
-    shape = (*q.shape[:-2], q_size[0] * q_size[1], k_size[0] * k_size[1])
+    return bias_h, bias_w
+
+
+def sum_rel_pos_factors(bias_h: Tensor, bias_w: Tensor) -> Tensor:
+    """``(..., qh, qw, kh)`` and ``(..., qh, qw, kw)`` -> the bias ``(..., qh * qw, kh * kw)``:
+    ``bias_h[..., i, j, m] + bias_w[..., i, j, n]`` for query ``(i, j)`` and key ``(m, n)``."""
+    *lead, qh, qw, kh = bias_h.shape
+    shape = (*lead, qh * qw, kh * bias_w.shape[-1])
     if tracing() or (torch.is_grad_enabled() and (bias_h.requires_grad or bias_w.requires_grad)):
         return (bias_h[..., :, None] + bias_w[..., None, :]).reshape(shape)  # ..., qh, qw, kh, kw
     # Without autograd, summed straight into a contiguous tensor: left to itself the broadcast
     # sum follows the strides of its inputs (q's layout), and the reshape would copy the whole
     # term once more.
-    bias = bias_h.new_empty((*bias_h.shape, k_size[1]), dtype=torch.result_type(bias_h, bias_w))
+    bias = bias_h.new_empty((*bias_h.shape, bias_w.shape[-1]), dtype=torch.result_type(bias_h, bias_w))
     torch.add(bias_h[..., :, None], bias_w[..., None, :], out=bias)
     return bias.view(shape)
 
