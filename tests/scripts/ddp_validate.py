@@ -28,7 +28,7 @@ from vtdense.tasks.segmentation import SegmentationTask  # noqa: E402
 TINY_SWIN = {"embed_dim": 16, "depths": [1, 1, 1, 1], "num_heads": [1, 1, 2, 2], "window_size": 4}
 
 
-def build(task: str, data: str) -> tuple[L.LightningModule, L.LightningDataModule]:
+def build(task: str, data: str, compile_backbone: bool | str = False) -> tuple[L.LightningModule, L.LightningDataModule]:
     """The tiny task and its datamodule, with weights fixed by the seed."""
     torch.manual_seed(0)
     if task == "detection":
@@ -36,6 +36,7 @@ def build(task: str, data: str) -> tuple[L.LightningModule, L.LightningDataModul
             backbone="swin_tiny", backbone_kwargs=TINY_SWIN, head="mask_rcnn", num_classes=3, fpn_channels=16,
             slim_heads=True, mask_head_channels=16, mask_head_layers=1, box_head_width=32, rois_per_image=16,
             anchor_sizes=[8, 16, 32, 64, 128], num_vis_images=3, lr=1e-3, warmup_steps=1,
+            compile_backbone=compile_backbone,
         )
         dm = COCODataModule(root=data, batch_size=1, num_workers=0, train_scales=[80], max_size=128, test_scale=96)
     else:
@@ -70,13 +71,14 @@ def main() -> None:
     p.add_argument("--fit_steps", type=int, default=0, help="optimiser steps before validating (0: validate only)")
     p.add_argument("--save_weights", help="write the task's state dict here after fitting")
     p.add_argument("--load_weights", help="load the task's state dict from here before validating")
+    p.add_argument("--compile_backbone", default=None, help="detection: DetectionTask's compile_backbone backend")
     p.add_argument("--root_dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
     # registered before vtdense's own handler, so it runs after it (atexit is last in, first out)
     atexit.register(_record_exit, a.out)
-    model, dm = build(a.task, a.data)
+    model, dm = build(a.task, a.data, a.compile_backbone or False)
     options = dict(accelerator="cpu", strategy=a.strategy if a.devices > 1 else "auto", precision=a.precision)
     if a.strategy == "fsdp":
         from vtdense.strategies import trainer_options
@@ -107,7 +109,12 @@ def main() -> None:
     checksum = sum(float(p.detach().double().sum()) for p in full)
     if trainer.is_global_zero:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
+        from torch._dynamo.utils import counters
+
+        from vtdense.models.compile import is_compiled
+
         payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "world": trainer.world_size,
+                   "compiled": is_compiled(model.model), "graphs": counters["stats"]["unique_graphs"],
                    "scaler": type(scaler).__name__ if scaler is not None else None,
                    "scale": float(scaler.get_scale()) if scaler is not None else None}
         Path(a.out).write_text(json.dumps(payload))
