@@ -1,4 +1,5 @@
-"""``torch.func`` transforms (``grad``, ``vmap``, per-sample gradients) work on every backbone, as on timm's.
+"""``torch.func`` transforms (``grad``, ``vmap``, per-sample gradients, ``jvp``) and forward-mode AD work on
+every backbone, as on timm's.
 
 The fused training paths are custom autograd functions without functorch support, the chunked
 CPU paths write into chunks in place, and the patch embedding asks for a channels-last layout:
@@ -81,3 +82,29 @@ def test_per_sample_gradients(name: str) -> None:
         _loss(list(ours(x[i : i + 1]).values())).backward()
         for k, p in ours.named_parameters():
             assert _close(per_sample[k][i], p.grad), (i, k)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_mode_ad_matches_finite_differences(name: str) -> None:
+    """``torch.func.jvp`` and ``torch.autograd.forward_ad`` give the directional derivative that central
+    differences give, in float64, in training mode (the fused paths' mode)."""
+    import torch.autograd.forward_ad as fwAD
+
+    _, ours, _, _ = _pair(name)
+    ours = ours.double().train()
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1, 3, *SIZE, generator=g, dtype=torch.float64)
+    t = torch.randn(x.shape, generator=g, dtype=torch.float64)
+
+    def f(a: torch.Tensor) -> list[torch.Tensor]:
+        return list(ours(a).values())
+
+    _, tangents = torch.func.jvp(f, (x,), (t,))
+    eps = 1e-6
+    with torch.no_grad():
+        fd = [(p - m) / (2 * eps) for p, m in zip(f(x + eps * t), f(x - eps * t))]
+    with fwAD.dual_level():
+        dual = [fwAD.unpack_dual(o).tangent for o in f(fwAD.make_dual(x, t))]
+    for tan, ref, other in zip(tangents, fd, dual):
+        assert (tan - ref).abs().max().item() < 1e-6 * ref.abs().max().item()
+        assert (other - tan).abs().max().item() < 1e-10 * tan.abs().max().item()

@@ -28,6 +28,7 @@ from typing import Iterator
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import forward_ad as _forward_ad
 
 from vtdense.layers.plain import hooks_below
 
@@ -72,10 +73,14 @@ def cpu_chunking(enabled: bool) -> Iterator[None]:
 
 def functorch_transform() -> bool:
     """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...) is
-    running: its tensors are wrappers that custom autograd functions, in-place writes into
-    chunks and memory-format queries do not support, and nothing computed under it may be cached."""
+    running, or forward-mode AD (a ``torch.autograd.forward_ad`` dual level): its tensors are
+    wrappers or dual tensors that custom autograd functions (no ``setup_context`` / ``jvp``), fused
+    kernels without forward derivatives, in-place writes into chunks and memory-format queries do
+    not support, and nothing computed under it may be cached."""
     if torch.compiler.is_compiling():  # Dynamo runs the transforms itself, and graphs take the plain path anyway
         return False
+    if getattr(_forward_ad, "_current_level", -1) >= 0:
+        return True
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
 
