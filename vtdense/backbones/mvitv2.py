@@ -185,8 +185,9 @@ class MultiScaleAttention(nn.Module):
         images, runs of windows, or bands of query rows inside one window or global map) of about
         :data:`~vtdense.layers.chunked.CHUNK_BYTES`, instead of one ``(B, nW, heads, Nq, Nk)`` term
         (59 MiB in a stage-2 block of MViTv2-T at 512x768, 134 MiB in a global one at 1024x1024),
-        which is freshly mapped memory in every block. Each query row's result is computed as in
-        the whole-tensor path. ``qs``: ``(B, nW, heads, Nq, d)``, ``ks``/``vs``:
+        which is freshly mapped memory in every block. The same values as the whole-term path: bit for
+        bit over whole windows, to float rounding over bands of query rows (SDPA blocks a band
+        differently). ``qs``: ``(B, nW, heads, Nq, d)``, ``ks``/``vs``:
         ``(B, nW, heads, Nk, d)``; returns ``(B, nW, heads, Nq, d)``, a view of a ``(B, nW, Nq,
         heads, d)`` buffer."""
         B, nW, h, nq, d = qs.shape
