@@ -238,3 +238,34 @@ def test_portrait_and_landscape_in_one_segmentation_batch() -> None:
         pairs = task._predict_batch(batch)
     assert [tuple(p.shape) for p, _ in pairs] == [(96, 48), (48, 96)]
     assert [m.unique().tolist() for _, m in pairs] == [[1], [0]]  # padding cut away before the metric
+
+
+EMPTY_CASES = {
+    "swin_tiny": dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_size=4),
+    "swinv2_tiny": dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_size=4, patch_size=2),
+    "mvitv2_tiny": dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, window_size=8, out_indices=(1, 3)),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_CASES))
+def test_an_empty_batch_gives_empty_maps_of_the_right_shapes(name: str) -> None:
+    """A batch of 0 images (as torchvision's backbones take it) gives 0-image maps of the shapes one
+    image gets, in the input's dtype, without running the blocks; in training a loss over them
+    backpropagates."""
+    import vtdense
+
+    model = vtdense.create_backbone(name, drop_path_rate=0.0, **EMPTY_CASES[name])
+    for size in [(100, 140), (33, 257), (7, 5)]:
+        for dtype in (torch.float32, torch.float64):
+            model.to(dtype).eval()
+            with torch.no_grad():
+                one = model(torch.randn(1, 3, *size, dtype=dtype))
+                none = model(torch.randn(0, 3, *size, dtype=dtype))
+            assert list(none) == list(one)
+            for key in one:
+                assert none[key].shape == (0, *one[key].shape[1:]) and none[key].dtype == dtype, (key, size)
+    model.float().train()
+    out = model(torch.randn(0, 3, 64, 96))
+    sum(o.sum() for o in out.values()).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(not g.any() for g in grads)

@@ -14,6 +14,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from vtdense.layers.chunked import tracing
+
 __all__ = ["Backbone", "run_blocks"]
 
 
@@ -82,6 +84,8 @@ class Backbone(nn.Module):
         Uses ``self.out_indices`` / ``self.out_names`` and, when not ``None``, the per-level
         LayerNorms in ``self.out_norms`` (a ModuleDict keyed by output name); returns NCHW maps.
         """
+        if not tracing() and x.shape[0] == 0:  # (no size read, so no guard, under compile or export)
+            return self._empty_pyramid(x)
         out: OrderedDict[str, Tensor] = OrderedDict()
         names = dict(zip(self.out_indices, self.out_names))
         norms = getattr(self, "out_norms", None)
@@ -90,6 +94,19 @@ class Backbone(nn.Module):
             if i in names:
                 y = norms[names[i]](x) if norms is not None else x
                 out[names[i]] = y.permute(0, 3, 1, 2).contiguous()
+        return out
+
+    def _empty_pyramid(self, x: Tensor) -> "OrderedDict[str, Tensor]":
+        """The outputs for an empty batch (``x``: ``(0, H, W, C)`` after the patch embedding), as
+        torchvision's backbones give them: ``(0, C_k, ceil(H / 2^k), ceil(W / 2^k))`` for stage ``k``
+        (0-based), with nothing run. Where ``x`` takes part in autograd they stay on its graph, so a
+        loss over them backpropagates (zero gradients)."""
+        _, H, W, _ = x.shape
+        anchor = x.sum() * 0 if x.requires_grad else None
+        out: OrderedDict[str, Tensor] = OrderedDict()
+        for i, name, channels in zip(self.out_indices, self.out_names, self.out_channels):
+            y = x.new_zeros(0, channels, -(-H // 2**i), -(-W // 2**i))
+            out[name] = y + anchor if anchor is not None else y
         return out
 
     def forward(self, x: Tensor) -> "OrderedDict[str, Tensor]":  # pragma: no cover - abstract
