@@ -164,16 +164,19 @@ def rel_pos_lookup(
     return table[idx]
 
 
-def _decomposed_terms(
+def decomposed_rel_pos_factors(
     q: Tensor,
     rel_pos_h: Tensor,
     rel_pos_w: Tensor,
     q_size: tuple[int, int],
     k_size: tuple[int, int],
-    grid: tuple[tuple[int, int], tuple[int, int]] | None,
+    grid: tuple[tuple[int, int], tuple[int, int]] | None = None,
+    key_terms: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The two factors of the decomposed bias: ``q_ij . R_h[i, m]`` as ``(..., qh, qw, kh)`` and
-    ``q_ij . R_w[j, n]`` as ``(..., qh, qw, kw)`` (arguments as for :func:`decomposed_rel_pos_bias`)."""
+    """The two small factors of the decomposed bias: ``q_ij . R_h[i, m]`` as ``(..., qh, qw, kh)``
+    and ``q_ij . R_w[j, n]`` as ``(..., qh, qw, kw)``, ``key_terms`` added (arguments as for
+    :func:`decomposed_rel_pos_bias`). :func:`sum_rel_pos_factors` of any slice of them over the
+    leading dims and the query rows is that slice of the bias."""
     qh, qw = q_size
     kh, kw = k_size
     gh = (grid[0][0], grid[1][0]) if grid is not None else None
@@ -181,7 +184,12 @@ def _decomposed_terms(
     r_h = rel_pos_lookup(qh, kh, rel_pos_h, gh).to(q.dtype)  # qh, kh, C
     r_w = rel_pos_lookup(qw, kw, rel_pos_w, gw).to(q.dtype)  # qw, kw, C
     r_q = q.reshape(*q.shape[:-2], qh, qw, q.shape[-1])
-    return torch.einsum("...hwc,hkc->...hwk", r_q, r_h), torch.einsum("...hwc,wkc->...hwk", r_q, r_w)
+    bias_h = torch.einsum("...hwc,hkc->...hwk", r_q, r_h)
+    bias_w = torch.einsum("...hwc,wkc->...hwk", r_q, r_w)
+    if key_terms is not None:
+        bias_h = bias_h + key_terms[0].to(bias_h.dtype)
+        bias_w = bias_w + key_terms[1].to(bias_w.dtype)
+    return bias_h, bias_w
 
 
 def decomposed_rel_pos_bias(
@@ -215,25 +223,6 @@ def decomposed_rel_pos_bias(
         ``(..., Nq, Nk)`` with ``Nk = k_size[0] * k_size[1]``, row-major keys.
     """
     return sum_rel_pos_factors(*decomposed_rel_pos_factors(q, rel_pos_h, rel_pos_w, q_size, k_size, grid, key_terms))
-
-
-def decomposed_rel_pos_factors(
-    q: Tensor,
-    rel_pos_h: Tensor,
-    rel_pos_w: Tensor,
-    q_size: tuple[int, int],
-    k_size: tuple[int, int],
-    grid: tuple[tuple[int, int], tuple[int, int]] | None = None,
-    key_terms: tuple[Tensor, Tensor] | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The two small factors of :func:`decomposed_rel_pos_bias` (same arguments), ``key_terms``
-    included: ``(..., qh, qw, kh)`` and ``(..., qh, qw, kw)``. :func:`sum_rel_pos_factors` of any
-    slice of them over the leading dims and query rows is that slice of the bias."""
-    bias_h, bias_w = _decomposed_terms(q, rel_pos_h, rel_pos_w, q_size, k_size, grid)
-    if key_terms is not None:
-        bias_h = bias_h + key_terms[0].to(bias_h.dtype)
-        bias_w = bias_w + key_terms[1].to(bias_w.dtype)
-    return bias_h, bias_w
 
 
 def sum_rel_pos_factors(bias_h: Tensor, bias_w: Tensor) -> Tensor:
@@ -306,7 +295,7 @@ def decomposed_rel_pos_fold(
     """
     kh, kw = k_size
     lead, nq, c = q.shape[:-2], q.shape[-2], q.shape[-1]
-    bias_h, bias_w = _decomposed_terms(q, rel_pos_h, rel_pos_w, q_size, k_size, grid)
+    bias_h, bias_w = decomposed_rel_pos_factors(q, rel_pos_h, rel_pos_w, q_size, k_size, grid)
     q_parts = [q * scale, bias_h.reshape(*lead, nq, kh), bias_w.reshape(*lead, nq, kw)]
     k_parts = [k, _key_one_hot(int(kh), int(kw), k.device).to(k.dtype).expand(*k.shape[:-1], kh + kw)]
     if key_mask is not None:
