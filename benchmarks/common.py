@@ -118,16 +118,28 @@ def count_flops(fn: Callable[[], object]) -> float:
     return float(counter.get_total_flops())
 
 
-def matmul_peak(device: str, dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 1.0) -> float:
-    """Dense square matmul throughput of the device in FLOP/s (best of repeated timings)."""
+def matmul_peak(device: str, dtype: torch.dtype = torch.float32, n: int | None = None, seconds: float = 1.0,
+                library: str | None = None) -> float:
+    """Dense square matmul throughput of the device in FLOP/s (best of repeated timings).
+
+    On the CPU in float32 ``library`` picks the kernel: ``"blas"`` (``torch.mm``, MKL in the
+    official wheels), ``"onednn"`` (the oneDNN matmul vtdense's linear layers may use, see
+    :mod:`vtdense.layers.cpu_linear`) or ``None``, the faster of the two. Elsewhere ``torch.mm``."""
     n = n or (1536 if device == "cpu" else 8192)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    torch.mm(a, b)
+    if device == "cpu" and dtype == torch.float32 and library is None and torch.backends.mkldnn.is_available():
+        return max(matmul_peak(device, dtype, n, seconds / 2, "blas"), matmul_peak(device, dtype, n, seconds / 2, "onednn"))
+    if library == "onednn":
+        bt = b.t().contiguous()
+        fn = lambda: torch.ops.mkldnn._linear_pointwise(a, bt, None, "none", [], "")  # noqa: E731
+    else:
+        fn = lambda: torch.mm(a, b)  # noqa: E731
+    fn()
     sync(device)
     best, spent = float("inf"), 0.0
     while spent < seconds * 1e3 or best == float("inf"):
-        ms = _time_once(lambda: torch.mm(a, b), device)
+        ms = _time_once(fn, device)
         best, spent = min(best, ms), spent + ms
     return 2 * n**3 / (best / 1e3)
 

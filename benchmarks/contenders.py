@@ -11,7 +11,9 @@ Contender names:
   (CPU inference with :func:`vtdense.layers.chunked.set_cpu_chunking` off, to show what chunks give),
   ``vtdense global`` (MViTv2 with global attention at detection sizes, for the scaling rows),
   ``vtdense bias`` (MViTv2 with its relative positions added as a ``(Nq, Nk)`` bias in training
-  too, ``rel_pos_fold=False``, against the default fold);
+  too, ``rel_pos_fold=False``, against the default fold), ``vtdense blas`` (float32 CPU linear
+  layers through PyTorch's BLAS, as timm's run, instead of the backend
+  :mod:`vtdense.layers.cpu_linear` chose);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
 - ``torchvision``: ``swin_t`` / ``swin_v2_t`` feature extractors, and for the detector rows
@@ -89,7 +91,9 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
     import vtdense
 
     family = case["family"]
-    base = contender.replace(" compiled", "").replace(" ckpt", "").replace(" unchunked", "").replace(" bias", "")
+    base = contender
+    for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas"):
+        base = base.replace(suffix, "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
 
@@ -165,6 +169,20 @@ def make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[],
     ``case`` keys: ``family``, ``mode`` (``"infer"`` or ``"train"``), ``batch``, ``size`` (h, w),
     optional ``dtype`` (``"fp32"``/``"bf16"``, autocast) and ``mvit_window``.
     """
+    if contender.endswith(" blas"):
+        from vtdense.layers.cpu_linear import use_cpu_matmul
+
+        step = _make_step(contender, case, device)
+
+        def blas_step() -> object:
+            with use_cpu_matmul("blas"):
+                return step()
+
+        return blas_step
+    return _make_step(contender, case, device)
+
+
+def _make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[], object]:
     torch.manual_seed(0)
     model = build_model(contender, case).to(device)
     family, mode = case["family"], case["mode"]

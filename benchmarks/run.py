@@ -69,18 +69,27 @@ def _case(name: str, family: str, mode: str, batch: int, size: tuple[int, int], 
                 tier=tier, device=device, dtype=dtype, **extra)
 
 
+def _libraries_text(libs: dict[str, Any]) -> str:
+    if not libs:
+        return ""
+    return (f" (BLAS `torch.mm` {libs['blas']:.0f}, oneDNN {libs['onednn']:.0f} GFLOP/s; vtdense's linear layers use "
+            f"{libs['vtdense uses']}, timm's and torchvision's the BLAS)")
+
+
 def cases() -> list[dict[str, Any]]:
     """Every case; ``tier`` is the smallest tier that runs it, ``device`` where it runs."""
     c = _case
     cpu = [
         c("Swin-T inference, batch 8 at 224", "swin_t", "infer", 8, (224, 224),
-          ["vtdense", "vtdense unchunked", "vtdense compiled", *SWIN_PEERS, "timm compiled"], tier="quick", parity=True,
+          ["vtdense", "vtdense blas", "vtdense unchunked", "vtdense compiled", *SWIN_PEERS, "timm compiled"], tier="quick",
+          parity=True,
           compile_tier="full"),
         c("SwinV2-T inference, batch 8 at 256", "swinv2_t", "infer", 8, (256, 256),
-          ["vtdense", "vtdense unchunked", "timm", "torchvision"], tier="quick", parity=True),
-        c("MViTv2-T inference, batch 8 at 224", "mvitv2_t", "infer", 8, (224, 224), ["vtdense", "vtdense unchunked", "timm"],
+          ["vtdense", "vtdense blas", "vtdense unchunked", "timm", "torchvision"], tier="quick", parity=True),
+        c("MViTv2-T inference, batch 8 at 224", "mvitv2_t", "infer", 8, (224, 224), ["vtdense", "vtdense blas", "timm"],
           tier="quick", parity=True),
-        c("Swin-T train step, batch 2 at 512x768", "swin_t", "train", 2, (512, 768), ["vtdense", "vtdense ckpt", "timm", "timm fused"]),
+        c("Swin-T train step, batch 2 at 512x768", "swin_t", "train", 2, (512, 768),
+          ["vtdense", "vtdense blas", "vtdense ckpt", "timm", "timm fused"]),
         c("SwinV2-T train step, batch 2 at 512x768", "swinv2_t", "train", 2, (512, 768), ["vtdense", "vtdense ckpt", "timm"]),
         c("MViTv2-T (windows 56) train step, batch 2 at 512x768", "mvitv2_t", "train", 2, (512, 768),
           ["vtdense", "vtdense bias", "vtdense ckpt"], tier="full", mvit_window=56),
@@ -298,8 +307,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"Measured {env['date']} on {env.get('gpu', env['cpu'])} ({env['threads']} threads); torch {env['torch']}, "
         f"torchvision {env['torchvision']}, timm {env['timm']}, vtdense {env['vtdense']}. "
         f"Load average at start {env['load_average_at_start']} on {env['cpu_count']} cores. "
-        f"Dense {report['peak_dtype']} matmul peak measured in this run: **{report['peak_gflops']:.0f} GFLOP/s**. "
-        f"Total {report['seconds']:.0f} s.",
+        f"Dense {report['peak_dtype']} matmul peak measured in this run: **{report['peak_gflops']:.0f} GFLOP/s**"
+        + _libraries_text(report.get("peak_by_library") or {})
+        + f". Total {report['seconds']:.0f} s.",
         "",
         "Every contender of a case ran in this process, interleaved (warm-up, then repeats, median). "
         "`vs best peer` = the fastest non-vtdense contender's median / this row's (higher is better). "
@@ -425,8 +435,16 @@ def main(argv: list[str] | None = None) -> int:
     env = environment(args.device)
     print(json.dumps(env), flush=True)
     peak_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
-    peak = matmul_peak(args.device, peak_dtype)
-    print(f"matmul peak ({peak_dtype}): {peak / 1e9:.0f} GFLOP/s", flush=True)
+    libraries = {}
+    if args.device == "cpu" and torch.backends.mkldnn.is_available():
+        from vtdense.layers.cpu_linear import cpu_matmul
+
+        libraries = {lib: matmul_peak("cpu", peak_dtype, seconds=0.5, library=lib) / 1e9 for lib in ("blas", "onednn")}
+        libraries["vtdense uses"] = cpu_matmul()
+        peak = max(libraries["blas"], libraries["onednn"]) * 1e9
+    else:
+        peak = matmul_peak(args.device, peak_dtype)
+    print(f"matmul peak ({peak_dtype}): {peak / 1e9:.0f} GFLOP/s {libraries}", flush=True)
 
     selected, skipped = [], []
     for case in cases():
@@ -470,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                 extras[name] = f"{type(err).__name__}: {err}"[:500]
             print(extras[name], flush=True)
     results = [r for r in results if not r.get("left_out")]
-    report = dict(device=args.device, tier=args.tier, environment=env, peak_gflops=peak / 1e9,
+    report = dict(device=args.device, tier=args.tier, environment=env, peak_gflops=peak / 1e9, peak_by_library=libraries,
                   peak_dtype=str(peak_dtype).replace("torch.", ""), cases=results,
                   skipped=", ".join(skipped), left_out=", ".join(left_out), budget_s=args.budget or None, extras=extras,
                   seconds=time.perf_counter() - t0)

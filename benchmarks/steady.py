@@ -34,13 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 CONTENDERS = {
     "train": {
-        "swin_t": ["vtdense", "vtdense unchunked", "timm", "timm fused"],
-        "swinv2_t": ["vtdense", "vtdense unchunked", "timm"],
+        "swin_t": ["vtdense", "vtdense blas", "vtdense unchunked", "timm", "timm fused"],
+        "swinv2_t": ["vtdense", "vtdense blas", "vtdense unchunked", "timm"],
     },
     "infer": {
-        "swin_t": ["vtdense", "timm", "timm fused", "torchvision"],
-        "swinv2_t": ["vtdense", "timm", "torchvision"],
-        "mvitv2_t": ["vtdense", "timm"],
+        "swin_t": ["vtdense", "vtdense blas", "timm", "timm fused", "torchvision"],
+        "swinv2_t": ["vtdense", "vtdense blas", "timm", "torchvision"],
+        "mvitv2_t": ["vtdense", "vtdense blas", "timm"],
     },
 }
 DEFAULTS = {"train": ("512x768", 2, 3, 2), "infer": ("224x224", 8, 7, 3)}  # size, batch, steps, warm-up

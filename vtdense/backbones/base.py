@@ -14,7 +14,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vtdense.layers.chunked import tracing
+from vtdense.layers.cpu_linear import cpu_matmul, packed_weights
+from vtdense.layers.tracing import tracing
 
 __all__ = ["Backbone", "run_blocks"]
 
@@ -47,7 +48,14 @@ class Backbone(nn.Module):
     out_strides: list[int]
     size_divisibility: int = 32
     in_chans: int = 3
+
     out_indices: tuple[int, ...]
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Settle how CPU linear layers run (a short probe, once per process; see cpu_linear) now,
+        # eagerly: never first inside a compiled graph, and a bad VTDENSE_CPU_MATMUL fails here.
+        cpu_matmul()
 
     def output_shape(self) -> dict[str, dict[str, int]]:
         """Channels and stride of each output, keyed like ``forward``'s result."""
@@ -86,6 +94,13 @@ class Backbone(nn.Module):
         """
         if not tracing() and x.shape[0] == 0:  # (no size read, so no guard, under compile or export)
             return self._empty_pyramid(x)
+        if tracing() or torch.is_grad_enabled():
+            # (training reorders per call, as compiled graphs do, so both give the same bits)
+            return self._run_stages(x, stages)
+        with packed_weights():  # inference: each weight reordered for oneDNN once per call (see cpu_linear)
+            return self._run_stages(x, stages)
+
+    def _run_stages(self, x: Tensor, stages: Iterable[nn.Module]) -> "OrderedDict[str, Tensor]":
         out: OrderedDict[str, Tensor] = OrderedDict()
         names = dict(zip(self.out_indices, self.out_names))
         norms = getattr(self, "out_norms", None)

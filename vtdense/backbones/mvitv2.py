@@ -59,6 +59,7 @@ from vtdense.layers import chunked
 from vtdense.layers.chunked import chunking_applies, row_slices, tracing, window_slices
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp
+from vtdense.layers.cpu_linear import apply_linear, linear
 from vtdense.layers.plain import plain_linear, plain_module
 from vtdense.layers.position import (
     decomposed_rel_pos_bias,
@@ -158,7 +159,7 @@ class MultiScaleAttention(nn.Module):
         if plain_linear(lin):
             c = self.dim_out
             bias = lin.bias.split(c) if lin.bias is not None else (None, None, None)
-            return tuple(F.linear(x, w, b) for w, b in zip(lin.weight.split(c), bias))  # type: ignore[return-value]
+            return tuple(linear(x, w, b) for w, b in zip(lin.weight.split(c), bias))  # type: ignore[return-value]
         return tuple(t.contiguous() for t in lin(x).chunk(3, dim=-1))  # type: ignore[return-value]
 
     def _pool(self, y: Tensor, pool: nn.Conv2d, norm: nn.LayerNorm) -> Tensor:
@@ -282,7 +283,7 @@ class MultiScaleAttention(nn.Module):
             out = out.view(B, Hq, Wq, h * d)
         if self.residual_pooling:
             out = out + q.view(B, Hq, Wq, h * d)
-        return self.proj(out)
+        return apply_linear(self.proj, out)
 
 
 class MultiScaleBlock(nn.Module):
@@ -360,7 +361,7 @@ class MultiScaleBlock(nn.Module):
         for s in row_slices(x.shape[0], tokens * 3 * self.attn.dim_out * x.element_size(), min_rows=1):
             xs = x[s]
             x_norm = self.norm1(xs)
-            shortcut = xs if self.shortcut_proj_attn is None else self.shortcut_proj_attn(x_norm)
+            shortcut = xs if self.shortcut_proj_attn is None else apply_linear(self.shortcut_proj_attn, x_norm)
             if self.shortcut_pool_attn is not None:
                 shortcut = self.shortcut_pool_attn(shortcut.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
             part = self.attn(x_norm)
@@ -370,21 +371,21 @@ class MultiScaleBlock(nn.Module):
         if self.shortcut_proj_mlp is None:
             return self.mlp.add_to_(y, norm=self.norm2)
         x_norm = self.norm2(y)
-        return self.mlp.add_to_(self.shortcut_proj_mlp(x_norm), x=x_norm)
+        return self.mlp.add_to_(apply_linear(self.shortcut_proj_mlp, x_norm), x=x_norm)
 
     def forward(self, x: Tensor) -> Tensor:
         """``(B, H, W, dim) -> (B, ceil(H/sq), ceil(W/sq), dim_out)``."""
         if chunking_applies(x, self):
             return self._forward_chunked(x)
         x_norm = self.norm1(x)
-        shortcut = x if self.shortcut_proj_attn is None else self.shortcut_proj_attn(x_norm)
+        shortcut = x if self.shortcut_proj_attn is None else apply_linear(self.shortcut_proj_attn, x_norm)
         if self.shortcut_pool_attn is not None:
             shortcut = self.shortcut_pool_attn(shortcut.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
         x = shortcut + self.drop_path1(self.attn(x_norm))
         if self.shortcut_proj_mlp is None:  # the MLP's pre-norm is fused with its fc1 (see Mlp)
             return x + self.drop_path2(self.mlp(x, norm=self.norm2))
         x_norm = self.norm2(x)
-        return self.shortcut_proj_mlp(x_norm) + self.drop_path2(self.mlp(x_norm))
+        return apply_linear(self.shortcut_proj_mlp, x_norm) + self.drop_path2(self.mlp(x_norm))
 
 
 class _PatchEmbed(nn.Module):

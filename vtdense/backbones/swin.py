@@ -34,6 +34,7 @@ from vtdense.layers.cpu_window_attention import (
     qkv_window_attention_applies,
 )
 from vtdense.layers.drop import DropPath
+from vtdense.layers.cpu_linear import apply_linear, linear
 from vtdense.layers.mlp import Mlp, norm_linear
 from vtdense.layers.plain import plain_layer_norm, plain_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
@@ -191,15 +192,15 @@ class WindowAttention(nn.Module):
             if term is None:
                 term = self.attn_term(window, mask, x.dtype, x.device)
             out = norm_qkv_window_attention(x, norm, self.qkv, term, (C // h) ** -0.5, h)
-            return self.proj_drop(self.proj(out.transpose(2, 3).reshape(B, nW, N, C)))
+            return self.proj_drop(apply_linear(self.proj, out.transpose(2, 3).reshape(B, nW, N, C)))
         if self.cosine and self.q_bias is not None:
             bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
             xn = norm(x) if norm is not None else x
-            qkv = F.linear(xn, self.qkv.weight, bias) if plain_linear(self.qkv) else self.qkv(xn) + bias
+            qkv = linear(xn, self.qkv.weight, bias) if plain_linear(self.qkv) else self.qkv(xn) + bias
         elif norm is not None:
             qkv = norm_linear(x, norm, self.qkv)
         else:
-            qkv = self.qkv(x)
+            qkv = apply_linear(self.qkv, x)
         qkv = qkv.view(B, nW, N, 3, h, C // h)
         if term is None:
             term = self.attn_term(window, mask, qkv.dtype, x.device)
@@ -222,7 +223,7 @@ class WindowAttention(nn.Module):
             q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).unbind(0)
             out = attention(q, k, v, term, dropout=dropout)
         out = out.transpose(2, 3).reshape(B, nW, N, C)
-        return self.proj_drop(self.proj(out))
+        return self.proj_drop(apply_linear(self.proj, out))
 
 
 def _pad_rows(t: Tensor, value: float | bool = 0.0) -> Tensor:
@@ -346,7 +347,7 @@ class PatchMerging(nn.Module):
             H, W = H + H % 2, W + W % 2
         # order of the four neighbours: (0,0), (1,0), (0,1), (1,1) -- the original Swin order
         x = x.reshape(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 4, 2, 5).flatten(3)
-        return self.norm(self.reduction(x)) if self.post_norm else self.reduction(self.norm(x))
+        return self.norm(apply_linear(self.reduction, x)) if self.post_norm else apply_linear(self.reduction, self.norm(x))
 
 
 class PatchEmbed(nn.Module):

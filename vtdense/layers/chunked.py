@@ -28,9 +28,10 @@ from typing import Iterator
 
 import torch
 from torch import Tensor, nn
-from torch.autograd import forward_ad as _forward_ad
 
+from vtdense.layers.cpu_linear import mm, mm_tn
 from vtdense.layers.plain import hooks_below
+from vtdense.layers.tracing import functorch_transform, tracing
 
 __all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "training_chunking_applies",
            "TRAIN_CHUNK_MIN_BYTES", "NormLinearGrads", "row_slices", "window_slices", "tracing", "functorch_transform"]
@@ -69,28 +70,6 @@ def cpu_chunking(enabled: bool) -> Iterator[None]:
         yield
     finally:
         set_cpu_chunking(old)
-
-
-def functorch_transform() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...) is
-    running, or forward-mode AD (a ``torch.autograd.forward_ad`` dual level): its tensors are
-    wrappers or dual tensors that custom autograd functions (no ``setup_context`` / ``jvp``), fused
-    kernels without forward derivatives, in-place writes into chunks and memory-format queries do
-    not support, and nothing computed under it may be cached."""
-    if torch.compiler.is_compiling():  # Dynamo runs the transforms itself, and graphs take the plain path anyway
-        return False
-    if getattr(_forward_ad, "_current_level", -1) >= 0:
-        return True
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
-
-
-def tracing() -> bool:
-    """Whether a graph is being built (``torch.compile``, ``torch.export``, TorchScript tracing or
-    scripting) or a ``torch.func`` transform runs (:func:`functorch_transform`): eager-only
-    shortcuts (fused autograd functions, chunking, caches) must then keep the plain form."""
-    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-            or torch.jit.is_scripting() or functorch_transform())
 
 
 def chunking_applies(x: Tensor, module: nn.Module) -> bool:
@@ -152,16 +131,16 @@ class NormLinearGrads:
         else:
             xn = rows
         if self.need_w:
-            self.g_w = torch.mm(g_out.t(), xn) if self.g_w is None else self.g_w.addmm_(g_out.t(), xn)
+            self.g_w = _add(self.g_w, mm_tn(g_out, xn))
         if self.need_b:
             self.g_b = _add(self.g_b, g_out.sum(0))
         if not (self.need_x or self.need_nw or self.need_nb):
             return
         if not self.has_norm:
-            torch.mm(g_out, self.w, out=g_rows)
+            g_rows.copy_(mm(g_out, self.w))
             return
         dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-            g_out.mm(self.w), rows, rows.shape[-1:], mean, rstd, self.norm_w, self.norm_b,
+            mm(g_out, self.w), rows, rows.shape[-1:], mean, rstd, self.norm_w, self.norm_b,
             [self.need_x, self.need_nw, self.need_nb])
         if self.need_x:
             g_rows.copy_(dx)

@@ -13,7 +13,7 @@ hidden activations of :data:`~vtdense.layers.chunked.TRAIN_CHUNK_MIN_BYTES` or m
 ones run whole.
 
 The values are those of plain autograd over the same operations; the weight gradients are sums
-over chunks (``addmm_``), which changes only the order of a float sum. ``h`` is kept as one
+over chunks (added in place), which changes only the order of a float sum. ``h`` is kept as one
 tensor per chunk, so no single allocation is hidden-width x all rows either.
 """
 
@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vtdense.layers.chunked import NormLinearGrads, row_slices, training_chunking_applies
+from vtdense.layers.cpu_linear import linear, linear_into, mm, mm_tn
 
 __all__ = ["TRAIN_CHUNK_BYTES", "chunked_mlp", "chunked_mlp_applies"]
 
@@ -35,9 +36,10 @@ __all__ = ["TRAIN_CHUNK_BYTES", "chunked_mlp", "chunked_mlp_applies"]
 TRAIN_CHUNK_BYTES = 4 << 20
 
 
-def _accumulate(acc: Tensor | None, a: Tensor, b: Tensor) -> Tensor:
-    """``acc + a @ b`` in place (``a @ b`` for the first chunk)."""
-    return torch.mm(a, b) if acc is None else acc.addmm_(a, b)
+def _accumulate(acc: Tensor | None, g: Tensor, x: Tensor) -> Tensor:
+    """``acc + g.T @ x`` in place (``g.T @ x`` for the first chunk)."""
+    gx = mm_tn(g, x)
+    return gx if acc is None else acc.add_(gx)
 
 
 class _ChunkedMlp(torch.autograd.Function):
@@ -52,12 +54,9 @@ class _ChunkedMlp(torch.autograd.Function):
             r = rows[sl]
             if has_norm:
                 r = F.layer_norm(r, r.shape[-1:], norm_w, norm_b, eps)
-            h = F.linear(r, w1, b1)
+            h = linear(r, w1, b1)
             hs.append(h)
-            if b2 is not None:
-                torch.addmm(b2, F.gelu(h), w2.t(), out=out[sl])
-            else:
-                torch.mm(F.gelu(h), w2.t(), out=out[sl])
+            linear_into(out[sl], F.gelu(h), w2, b2)
         ctx.save_for_backward(rows, norm_w, norm_b, w1, b1, w2, *hs)
         ctx.slices, ctx.eps, ctx.has_norm, ctx.in_shape = slices, eps, has_norm, x.shape
         ctx.has_b1, ctx.has_b2 = b1 is not None, b2 is not None
@@ -76,11 +75,11 @@ class _ChunkedMlp(torch.autograd.Function):
         for sl, h in zip(ctx.slices, hs):
             go = g_out[sl]
             if need_w2:
-                g_w2 = _accumulate(g_w2, go.t(), F.gelu(h))
+                g_w2 = _accumulate(g_w2, go, F.gelu(h))
             if need_b2 and ctx.has_b2:
                 g_b2 = go.sum(0) if g_b2 is None else g_b2.add_(go.sum(0))
             if fc1.needed:
-                fc1.add(torch.ops.aten.gelu_backward(go.mm(w2), h), rows[sl], g_rows[sl] if need_x else None)
+                fc1.add(torch.ops.aten.gelu_backward(mm(go, w2), h), rows[sl], g_rows[sl] if need_x else None)
         g_nw, g_nb, g_w1, g_b1 = fc1.grads
         g_x = g_rows.view(ctx.in_shape) if g_rows is not None else None
         return g_x, g_nw, g_nb, None, None, g_w1, g_b1, g_w2, g_b2, None

@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from vtdense.layers.attention import get_attention_backend
 from vtdense.layers.chunked import CHUNK_BYTES, NormLinearGrads, training_chunking_applies, window_slices
+from vtdense.layers.cpu_linear import linear
 
 __all__ = ["qkv_window_attention", "norm_qkv_window_attention", "qkv_window_attention_applies"]
 
@@ -141,7 +142,7 @@ class _NormQkvWindowAttention(torch.autograd.Function):
         for imgs, wins in chunks:
             xc = x[imgs, wins]
             nb, nw = xc.shape[:2]
-            qkv = F.linear(F.layer_norm(xc, (C,), norm_w, norm_b, eps), w, b).view(nb, nw, N, 3, heads, d)
+            qkv = linear(F.layer_norm(xc, (C,), norm_w, norm_b, eps), w, b).view(nb, nw, N, 3, heads, d)
             qkv = qkv.permute(3, 0, 1, 4, 2, 5).reshape(3, nb, nw * heads, N, d)  # head-major: one copy
             qkvs.append(qkv)
             terms = _window_terms(term, wins, nw)

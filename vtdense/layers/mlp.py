@@ -11,6 +11,8 @@ from torch import Tensor, nn
 
 from vtdense.layers.chunked import row_slices, tracing
 from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
+from vtdense.layers.cpu_linear import apply_linear, mm, mm_tn
+from vtdense.layers.cpu_linear import linear as _linear
 from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
 
 __all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear"]
@@ -38,7 +40,7 @@ class _GeluLinear(torch.autograd.Function):
     def forward(ctx: Any, h: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.weight_dtype = weight.dtype
         weight = _compute_weight(weight)
-        out = F.linear(F.gelu(h), weight, bias)  # autocast, if on, casts the rest as for a plain linear
+        out = _linear(F.gelu(h), weight, bias)  # autocast, if on, casts the rest as for a plain linear
         ctx.save_for_backward(h, weight)
         ctx.has_bias = bias is not None
         return out
@@ -50,11 +52,11 @@ class _GeluLinear(torch.autograd.Function):
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_h = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_g = (g2 @ weight.to(dtype)).view(*grad.shape[:-1], weight.shape[1])
+            grad_g = mm(g2, weight.to(dtype)).view(*grad.shape[:-1], weight.shape[1])
             grad_h = torch.ops.aten.gelu_backward(grad_g.to(h.dtype), h)
         if ctx.needs_input_grad[1]:
             act = F.gelu(h).to(dtype)
-            grad_w = (g2.t() @ act.reshape(-1, act.shape[-1])).to(ctx.weight_dtype)
+            grad_w = mm_tn(g2, act.reshape(-1, act.shape[-1])).to(ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.sum(0).to(ctx.weight_dtype)
         return grad_h, grad_w, grad_b
@@ -66,7 +68,7 @@ def gelu_linear(h: Tensor, linear: nn.Linear) -> Tensor:
     if (torch.is_grad_enabled() and not tracing() and plain_linear(linear)
             and (h.requires_grad or linear.weight.requires_grad)):
         return _GeluLinear.apply(h, linear.weight, linear.bias)
-    return linear(F.gelu(h))
+    return apply_linear(linear, F.gelu(h))
 
 
 class _NormLinear(torch.autograd.Function):
@@ -78,7 +80,7 @@ class _NormLinear(torch.autograd.Function):
                 bias: Tensor | None) -> Tensor:
         ctx.weight_dtype = weight.dtype
         weight = _compute_weight(weight)
-        out = F.linear(F.layer_norm(x, x.shape[-1:], norm_w, norm_b, eps), weight, bias)
+        out = _linear(F.layer_norm(x, x.shape[-1:], norm_w, norm_b, eps), weight, bias)
         ctx.save_for_backward(x, norm_w, norm_b, weight)
         ctx.eps, ctx.has_bias = eps, bias is not None
         dev = x.device.type  # the backward recomputes the norm under the forward's autocast state
@@ -98,12 +100,12 @@ class _NormLinear(torch.autograd.Function):
             leaves = [t if t is None or create_graph else t.detach().requires_grad_(True) for t in (x, norm_w, norm_b)]
             y = F.layer_norm(leaves[0], x.shape[-1:], leaves[1], leaves[2], ctx.eps)
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_y = (g2 @ weight.to(dtype)).view(*grad.shape[:-1], weight.shape[1])
+        grad_y = mm(g2, weight.to(dtype)).view(*grad.shape[:-1], weight.shape[1])
         wanted = [t for t, need in zip(leaves, ctx.needs_input_grad[:3]) if t is not None and need]
         found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype), create_graph=create_graph)) if wanted else iter(())
         grads_in = [next(found) if t is not None and need else None for t, need in zip(leaves, ctx.needs_input_grad[:3])]
         y_w = y if create_graph else y.detach()
-        grad_w = (g2.t() @ y_w.to(dtype).reshape(-1, y.shape[-1])).to(ctx.weight_dtype) if ctx.needs_input_grad[4] else None
+        grad_w = mm_tn(g2, y_w.to(dtype).reshape(-1, y.shape[-1])).to(ctx.weight_dtype) if ctx.needs_input_grad[4] else None
         grad_b = g2.sum(0).to(ctx.weight_dtype) if ctx.has_bias and ctx.needs_input_grad[5] else None
         return grads_in[0], grads_in[1], grads_in[2], None, grad_w, grad_b
 
@@ -114,7 +116,7 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     if (torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
             and plain_linear(linear)):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
-    return linear(norm(x))
+    return apply_linear(linear, norm(x))
 
 
 class Mlp(nn.Module):
@@ -145,11 +147,11 @@ class Mlp(nn.Module):
         """``x``: ``(..., dim)``; ``norm``: a pre-norm to apply first (fused with ``fc1``)."""
         if (self.drop.p and self.training) or not plain_gelu(self.act):
             x = norm(x) if norm is not None else x
-            return self.drop(self.fc2(self.drop(self.act(self.fc1(x)))))
+            return self.drop(apply_linear(self.fc2, self.drop(self.act(apply_linear(self.fc1, x)))))
         if ((norm is None or plain_layer_norm(norm)) and plain_linear(self.fc1) and plain_linear(self.fc2)
                 and chunked_mlp_applies(x, self.fc1.out_features)):
             return self.drop(chunked_mlp(x, self.fc1, self.fc2, norm))
-        h = norm_linear(x, norm, self.fc1) if norm is not None else self.fc1(x)
+        h = norm_linear(x, norm, self.fc1) if norm is not None else apply_linear(self.fc1, x)
         return self.drop(gelu_linear(h, self.fc2))
 
     def add_to_(self, y: Tensor, x: Tensor | None = None, norm: nn.Module | None = None,
@@ -165,7 +167,7 @@ class Mlp(nn.Module):
         src = rows if x is None else x.reshape(-1, x.shape[-1])
         for sl in row_slices(rows.shape[0], self.fc1.out_features * y.element_size()):
             r = src[sl]
-            h = self.fc1(norm(r) if norm is not None else r)
-            t = self.fc2(torch.ops.aten.gelu_(h) if plain_gelu(self.act) else self.act(h))
+            h = apply_linear(self.fc1, norm(r) if norm is not None else r)
+            t = apply_linear(self.fc2, torch.ops.aten.gelu_(h) if plain_gelu(self.act) else self.act(h))
             rows[sl].add_(post_norm(t) if post_norm is not None else t)
         return y

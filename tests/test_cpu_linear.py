@@ -1,0 +1,213 @@
+"""Float32 CPU linear layers through oneDNN (vtdense.layers.cpu_linear).
+
+Both backends are forced in turn, whatever this machine's probe would choose, so the oneDNN path
+is checked on every machine: values and gradients against ``F.linear`` and plain autograd, the
+backbones against timm, where each linear layer really ran (counted by a dispatch mode), and
+that no packed weight outlives a forward pass.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import vtdense
+from vtdense.layers import cpu_linear
+from vtdense.layers.cpu_linear import linear, mm, mm_tn, packed_weights, use_cpu_matmul
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+class _Ops(TorchDispatchMode):
+    """Counts the matmul-like ops that run."""
+
+    NAMES = ("_linear_pointwise", "addmm", "mm", "linear", "bmm", "baddbmm", "matmul")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func.__name__.split(".")[0]
+        if name in self.NAMES:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-5) -> None:
+    scale = b.abs().max().clamp_min(1.0)
+    assert (a - b).abs().max() <= tol * scale, float((a - b).abs().max() / scale)
+
+
+@pytest.mark.parametrize("backend", ["onednn", "blas"])
+@pytest.mark.parametrize("shape", [(7, 96), (2, 5, 6, 96)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_linear_values_and_gradients_equal_plain_autograd(backend: str, shape: tuple[int, ...], with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*shape, generator=g, requires_grad=True)
+    w = torch.randn(288, 96, generator=g, requires_grad=True)
+    b = torch.randn(288, generator=g, requires_grad=True) if with_bias else None
+    go = torch.randn(*shape[:-1], 288, generator=g)
+    with use_cpu_matmul(backend), _Ops() as ops:
+        y = linear(x, w, b)
+        grads = torch.autograd.grad(y, [t for t in (x, w, b) if t is not None], go)
+    ref_y = F.linear(x, w, b)
+    ref = torch.autograd.grad(ref_y, [t for t in (x, w, b) if t is not None], go)
+    _close(y, ref_y)
+    for a, r in zip(grads, ref):
+        assert a.shape == r.shape and a.is_contiguous()
+        _close(a, r)
+    assert (ops.counts.get("_linear_pointwise", 0) == 3) == (backend == "onednn"), ops.counts
+
+
+def test_double_backward_through_the_onednn_linear() -> None:
+    """Under ``create_graph`` the backward stays differentiable (a gradient penalty)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 32, generator=g, requires_grad=True)
+    w = torch.randn(48, 32, generator=g, requires_grad=True)
+    b = torch.randn(48, generator=g, requires_grad=True)
+
+    def penalty(fn):  # noqa: ANN001, ANN202
+        y = fn(x, w, b)
+        (gx,) = torch.autograd.grad(y.tanh().sum(), x, create_graph=True)
+        return torch.autograd.grad(gx.pow(2).sum(), [w, b])
+
+    with use_cpu_matmul("onednn"):
+        ours = penalty(linear)
+    for a, r in zip(ours, penalty(F.linear)):
+        _close(a, r)
+
+
+def test_mm_helpers_equal_torch_mm() -> None:
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(300, 96, generator=g), torch.randn(96, 384, generator=g)
+    gout = torch.randn(300, 384, generator=g)
+    with use_cpu_matmul("onednn"), _Ops() as ops:
+        ab, tn1, tn2 = mm(a, b), mm_tn(gout, a), mm_tn(a, gout)
+    assert ops.counts == {"_linear_pointwise": 3}, ops.counts
+    _close(ab, a @ b)
+    _close(tn1, gout.t() @ a)
+    _close(tn2, a.t() @ gout)
+    assert tn1.is_contiguous() and tn2.is_contiguous()
+
+
+def test_other_dtypes_autocast_and_graphs_keep_f_linear() -> None:
+    x, w = torch.randn(4, 16), torch.randn(8, 16)
+    with use_cpu_matmul("onednn"):
+        with _Ops() as ops:
+            linear(x.double(), w.double())
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = linear(x, w)
+            linear(x[:0], w)
+        assert y.dtype == torch.bfloat16
+        assert "_linear_pointwise" not in ops.counts, ops.counts
+
+        class M(torch.nn.Module):
+            def forward(self, t: torch.Tensor) -> torch.Tensor:
+                return linear(t, w)
+
+        graph = str(torch.export.export(M(), (x,)).graph)  # exported graphs stay portable
+        assert "linear" in graph and "mkldnn" not in graph and "vtdense" not in graph, graph
+        compiled = torch.compile(M(), backend="aot_eager", fullgraph=True)
+        _close(compiled(x), x @ w.t())  # inside torch.compile: the vtdense::onednn_linear op
+
+
+@pytest.mark.parametrize("name,timm_name,size", [("swin_tiny", "swin_tiny_patch4_window7_224", 224),
+                                                  ("swinv2_tiny", "swinv2_tiny_window8_256", 256),
+                                                  ("mvitv2_tiny", "mvitv2_tiny", 224)])
+def test_backbones_through_onednn_equal_timm_and_blas(name: str, timm_name: str, size: int) -> None:
+    """Every linear layer of an eval forward runs through oneDNN (no BLAS matmul left); the maps
+    equal timm's to 1e-5 of their largest value; a training step's gradients equal the BLAS path's."""
+    from test_swin import randomize_
+
+    torch.manual_seed(0)
+    ref = randomize_(timm.create_model(timm_name, pretrained=False)).eval()
+    ours = vtdense.create_backbone(name, out_norm=False, drop_path_rate=0.0).eval()
+    vtdense.load_pretrained(ours, ref.state_dict())
+    x = torch.randn(2, 3, size, size, generator=torch.Generator().manual_seed(3))
+    with use_cpu_matmul("onednn"), torch.no_grad():
+        ours(x)  # (Swin V2's Log-CPB MLP runs once per size, then its output is cached)
+        with _Ops() as ops:
+            got = list(ours(x).values())
+    assert ops.counts.get("_linear_pointwise", 0) > 0
+    assert not ops.counts.get("addmm") and not ops.counts.get("mm") and not ops.counts.get("linear"), ops.counts
+    with use_cpu_matmul("blas"), torch.no_grad():
+        want = ref.forward_intermediates(x, intermediates_only=True)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and b.std() > 0.5
+        _close(a, b)
+
+    ours.train()
+    xs = x[:1, :, :96, :128].clone()
+    grads = {}
+    for backend in ("onednn", "blas"):
+        ours.zero_grad(set_to_none=True)
+        with use_cpu_matmul(backend):
+            sum(f.square().mean() for f in ours(xs).values()).backward()
+        grads[backend] = {n: p.grad.clone() for n, p in ours.named_parameters() if p.grad is not None}
+    assert grads["onednn"].keys() == grads["blas"].keys()
+    for n in grads["blas"]:
+        _close(grads["onednn"][n], grads["blas"][n], 1e-4)
+
+
+def test_packed_copies_live_for_one_forward_and_follow_in_place_edits() -> None:
+    """Weights edited between two forwards are used as they are now: the packed copies last one
+    call, also for an edit through ``.data``, which autograd's version counter does not see."""
+    torch.manual_seed(0)
+    model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with use_cpu_matmul("onednn"), torch.no_grad():
+        model(x)
+        assert getattr(cpu_linear._local, "cache", None) is None
+        for n, p in model.named_parameters():
+            if "mlp" in n or "qkv" in n or "proj" in n:
+                p.mul_(1.5)
+        edited = model(x)
+        fresh = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]).eval()
+        fresh.load_state_dict(model.state_dict())
+        want = fresh(x)
+    for k in want:
+        _close(edited[k], want[k])
+    w = torch.randn(8, 16)
+    x2 = torch.randn(3, 16)
+    with use_cpu_matmul("onednn"):
+        with packed_weights():
+            a = linear(x2, w)
+            w.mul_(2)  # inside one scope: a version bump is seen
+            b = linear(x2, w)
+        _close(b, 2 * a)
+        w.data.mul_(2)  # unseen by the version counter, but the next scope packs afresh
+        with packed_weights():
+            _close(linear(x2, w), 4 * a)
+
+
+def test_environment_variable_is_checked_and_auto_draws_no_random_numbers() -> None:
+    code = (
+        "import torch\n"
+        "from vtdense.layers import cpu_linear\n"
+        "torch.manual_seed(0); cpu_linear.linear(torch.ones(4, 8), torch.ones(2, 8)); a = torch.rand(3)\n"
+        "torch.manual_seed(0); b = torch.rand(3)\n"
+        "assert torch.equal(a, b)\n"
+        "print(cpu_linear.cpu_matmul())\n"
+    )
+    env = {"VTDENSE_CPU_MATMUL": "auto"}
+    import os
+
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("onednn", "blas")
+    forced = subprocess.run([sys.executable, "-c", code], env={**os.environ, "VTDENSE_CPU_MATMUL": "BLAS"},
+                            capture_output=True, text=True)
+    assert forced.stdout.strip() == "blas", forced.stderr
+    bad = subprocess.run([sys.executable, "-c", code], env={**os.environ, "VTDENSE_CPU_MATMUL": "mkl"},
+                         capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "VTDENSE_CPU_MATMUL='mkl'" in bad.stderr and "expected one of" in bad.stderr.splitlines()[-1]
+    with pytest.raises(ValueError, match="one of"):
+        cpu_linear.set_cpu_matmul("openblas")

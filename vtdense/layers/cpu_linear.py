@@ -1,0 +1,332 @@
+"""Float32 linear layers and matmuls on the CPU through oneDNN.
+
+PyTorch runs a float32 ``linear`` or ``mm`` on the CPU through its BLAS, which is Intel MKL in the
+official wheels. MKL chooses its kernels by CPU vendor: on AMD CPUs it runs its AVX2 code even
+where the CPU has full-width AVX-512. oneDNN, which every CPU wheel also carries (PyTorch runs its
+convolutions with it), chooses by instruction set. On the 2-core AMD EPYC (Zen 5) these backbones
+were tuned on, oneDNN's float32 matmul ran the backbones' linear layers at 400-500 GFLOP/s where
+MKL ran them at 200-220; on CPUs where MKL has its best kernels the two are about even.
+
+So on the CPU, in float32 and eagerly, the backbones' linear layers and the matmuls of their
+chunked backward passes go through :func:`linear`, :func:`mm` and :func:`mm_tn`, which call
+oneDNN when :func:`cpu_matmul` says ``"onednn"``:
+
+- ``"auto"`` (the default, or the ``VTDENSE_CPU_MATMUL`` environment variable): the first call
+  times one mid-sized linear both ways (a few milliseconds, once per process, no random numbers
+  drawn) and keeps oneDNN where it is at least 1.15x faster;
+- ``"onednn"`` or ``"blas"`` force one (:func:`set_cpu_matmul`).
+
+Everything else keeps ``F.linear``: other devices and dtypes, autocast, and graphs
+(``torch.compile``, ``torch.export``, TorchScript, ``torch.func`` transforms), which see the plain
+op. Both libraries compute the same float32 products in a different order, so results differ by
+float rounding (a few units in the last place), not more.
+
+A weight is given to oneDNN in its own blocked layout, and reordering it costs about as much as
+reading it. Within :func:`packed_weights` (the backbones open it around one forward pass) each
+weight is reordered once and the copy reused by every chunk that calls it; the copies are dropped
+when the scope closes, so no weight is ever read stale and nothing outlives the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from vtdense.layers.tracing import tracing
+from vtdense.layers.plain import plain_linear
+
+__all__ = ["linear", "apply_linear", "mm", "mm_tn", "linear_into", "packed_weights", "set_cpu_matmul",
+           "use_cpu_matmul", "cpu_matmul", "onednn_applies", "ENV_VAR"]
+
+#: Environment variable read at the first call: ``auto`` (default), ``onednn`` or ``blas``.
+ENV_VAR = "VTDENSE_CPU_MATMUL"
+_CHOICES = ("auto", "onednn", "blas")
+#: oneDNN must beat the BLAS by this factor in the probe to be chosen by ``"auto"``.
+_PROBE_MARGIN = 1.15
+
+_choice: str | None = None  # None: not read from the environment yet
+_use: bool | None = None  # the resolved choice, once made
+_local = threading.local()  # .cache: (data_ptr, shape, stride) -> (weight, version, packed copy) in packed_weights()
+
+
+def _available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def set_cpu_matmul(name: str) -> None:
+    """Choose how float32 linear layers run on the CPU: ``"auto"`` (time both once, keep the
+    faster), ``"onednn"`` or ``"blas"`` (PyTorch's own ``F.linear``)."""
+    global _choice, _use
+    if name not in _CHOICES:
+        raise ValueError(f"cpu matmul backend must be one of {_CHOICES}, got {name!r}")
+    if name == "onednn" and not _available():
+        raise ValueError(f"cpu matmul backend 'onednn' needs PyTorch built with oneDNN, which torch {torch.__version__} is not")
+    _choice, _use = name, None
+
+
+@contextlib.contextmanager
+def use_cpu_matmul(name: str) -> Iterator[None]:
+    """Context-manager form of :func:`set_cpu_matmul` (for this process; the previous choice,
+    and its probe result, come back on exit)."""
+    old = (_choice, _use)
+    set_cpu_matmul(name)
+    try:
+        yield
+    finally:
+        _restore(old)
+
+
+def _restore(state: tuple[str | None, bool | None]) -> None:
+    global _choice, _use
+    _choice, _use = state
+
+
+def _probe() -> bool:
+    """Whether oneDNN runs a ``(2048, 256) x (256, 768)`` linear at least :data:`_PROBE_MARGIN`
+    times as fast as ``F.linear`` (best of 5 each, after one untimed call)."""
+    with torch.no_grad():
+        x = torch.full((2048, 256), 0.01)
+        w = torch.full((768, 256), 0.02)
+
+        def best(fn: Any) -> float:
+            fn()
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        blas = best(lambda: F.linear(x, w))
+        onednn = best(lambda: _lp(x, w, None))
+    return onednn * _PROBE_MARGIN <= blas
+
+
+def cpu_matmul() -> str:
+    """The backend float32 CPU linear layers use now: ``"onednn"`` or ``"blas"`` (``"auto"`` is
+    resolved by its probe on the first call)."""
+    global _choice, _use
+    if _use is None:
+        if _choice is None:
+            env = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+            if env not in _CHOICES:
+                raise ValueError(f"environment variable {ENV_VAR}={env!r}: expected one of {_CHOICES}")
+            _choice = env
+        if not _available():
+            _use = False
+        elif _choice == "auto":
+            _use = _probe()
+        else:
+            _use = _choice == "onednn"
+    return "onednn" if _use else "blas"
+
+
+def onednn_applies(x: Tensor, weight: Tensor) -> bool:
+    """Whether ``linear(x, weight)`` goes through oneDNN: plain float32 CPU tensors with rows,
+    autocast off, eager (not inside a compiler, exporter, tracer or ``torch.func`` transform),
+    PyTorch's oneDNN switch on, and :func:`cpu_matmul` saying ``"onednn"``."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    if tracing() or type(x) not in (Tensor, nn.Parameter) or type(weight) not in (Tensor, nn.Parameter):
+        return False
+    if x.layout != torch.strided or weight.layout != torch.strided or torch.is_autocast_enabled("cpu"):
+        return False
+    return x.numel() > 0 and torch.backends.mkldnn.enabled and cpu_matmul() == "onednn"
+
+
+def _lp(x2: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    """oneDNN's ``x2 @ w.T + b`` for 2-D ``x2``; ``w``: ``(out, in)``, plain or packed."""
+    return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
+
+
+@contextlib.contextmanager
+def packed_weights() -> Iterator[None]:
+    """Within this scope (this thread), each weight :func:`linear` meets is reordered into
+    oneDNN's layout once and reused, as long as it is not modified in place; the copies go when
+    the outermost scope closes. Nested scopes share the outer one."""
+    if getattr(_local, "cache", None) is not None:
+        yield
+        return
+    _local.cache = {}
+    try:
+        yield
+    finally:
+        _local.cache = None
+
+
+def _weight(w: Tensor) -> Tensor:
+    """``w`` in oneDNN's layout, from this scope's cache (keyed by where its data lives, so a view
+    made again, like a row slice of ``qkv``, finds its copy; the entry holds a reference, so that
+    memory cannot be reused while it stands), or ``w`` itself outside :func:`packed_weights`."""
+    cache = getattr(_local, "cache", None)
+    if cache is None or w.requires_grad and torch.is_grad_enabled():
+        return w
+    key = (w.data_ptr(), tuple(w.shape), tuple(w.stride()))
+    hit = cache.get(key)
+    if hit is not None and hit[1] == w._version:
+        return hit[2]
+    packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+    cache[key] = (w, w._version, packed)
+    return packed
+
+
+def _forward(x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+    out = _lp(x.reshape(-1, x.shape[-1]), _weight(w), None if b is None else b.contiguous())
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def _recorded(*ts: Tensor) -> bool:
+    """Whether autograd would record an op on ``ts`` (as under ``create_graph``)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` for 2-D ``a`` ``(n, k)`` and ``b`` ``(k, m)``, through oneDNN where
+    :func:`onednn_applies` and autograd does not record (``torch.mm`` otherwise): for backward
+    passes, whose create-graph form stays differentiable."""
+    return _lp(a, b.t(), None) if onednn_applies(a, b) and not _recorded(a, b) else torch.mm(a, b)
+
+
+def mm_tn(g: Tensor, x: Tensor) -> Tensor:
+    """``g.T @ x`` for ``g`` ``(n, m)`` and ``x`` ``(n, k)`` (a weight gradient: the sum over
+    the ``n`` rows), ``(m, k)``. With oneDNN the smaller of the two is transposed into a
+    contiguous copy. As :func:`mm`, plain ``torch.mm`` where autograd records."""
+    if not onednn_applies(g, x) or _recorded(g, x):
+        return torch.mm(g.t(), x)
+    if x.shape[1] < g.shape[1]:
+        return _lp(x.t().contiguous(), g.t(), None).t().contiguous()
+    return _lp(g.t().contiguous(), x.t(), None)
+
+
+def linear_into(out: Tensor, x: Tensor, w: Tensor, b: Tensor | None) -> None:
+    """``out[:] = x @ w.T + b`` for 2-D ``x``, without autograd (inference and backward
+    passes): ``addmm(out=...)`` with the BLAS, a oneDNN result copied in otherwise."""
+    if onednn_applies(x, w):
+        out.copy_(_lp(x, _weight(w), b))
+    elif b is not None:
+        torch.addmm(b, x, w.t(), out=out)
+    else:
+        torch.mm(x, w.t(), out=out)
+
+
+class _Linear(torch.autograd.Function):
+    """``x @ w.T + b`` through oneDNN, forward and backward. Under ``create_graph`` the backward
+    uses differentiable torch ops instead, so second derivatives work."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return _forward(x, w, b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        x, w = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1])
+        gx = gw = gb = None  # (mm and mm_tn keep create_graph's gradients differentiable)
+        if ctx.needs_input_grad[0]:
+            gx = mm(g2, w).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            gw = mm_tn(g2, x2)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0)
+        return gx, gw, gb
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``, through oneDNN on the CPU where :func:`onednn_applies`
+    (with its own backward pass when autograd records), and as the ``vtdense::onednn_linear``
+    op inside ``torch.compile`` graphs (:func:`_compiled_applies`), so compiled code computes
+    what eager code does. ``x``: ``(..., in)``, ``weight``: ``(out, in)``, ``bias``: ``(out,)``
+    -> ``(..., out)``."""
+    if bias is not None and bias.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    if _compiled_applies(x, weight):
+        return torch.ops.vtdense.onednn_linear(x, weight, bias)
+    if not onednn_applies(x, weight):
+        return F.linear(x, weight, bias)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)):
+        return _Linear.apply(x, weight, bias)
+    return _forward(x, weight, bias)
+
+
+def _compiled_applies(x: Tensor, weight: Tensor) -> bool:
+    """Inside ``torch.compile`` (not ``torch.export``, whose graphs must stay portable, nor a
+    ``torch.func`` transform): float32 CPU tensors, autocast off, and oneDNN chosen before the
+    graph was captured (the backbones resolve the choice when they are built; a choice not made
+    yet counts as ``"blas"``, so no probe runs while tracing)."""
+    if not torch.compiler.is_compiling() or torch.compiler.is_exporting() or not _use:
+        return False
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return False
+    return not torch.is_autocast_enabled("cpu") and torch.backends.mkldnn.enabled
+
+
+@torch.library.custom_op("vtdense::onednn_linear", mutates_args=())
+def _op_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if x.numel() == 0:
+        return F.linear(x, weight, bias)
+    return _forward(x, weight, bias)
+
+
+@_op_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("vtdense::onednn_mm", mutates_args=())
+def _op_mm(a: Tensor, b: Tensor) -> Tensor:
+    return torch.mm(a, b) if a.numel() == 0 or b.numel() == 0 else _lp(a, b.t(), None)
+
+
+@_op_mm.register_fake
+def _(a: Tensor, b: Tensor) -> Tensor:
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+@torch.library.custom_op("vtdense::onednn_mm_tn", mutates_args=())
+def _op_mm_tn(g: Tensor, x: Tensor) -> Tensor:
+    return torch.mm(g.t(), x) if g.numel() == 0 or x.numel() == 0 else mm_tn(g, x)
+
+
+@_op_mm_tn.register_fake
+def _(g: Tensor, x: Tensor) -> Tensor:
+    return g.new_empty(g.shape[1], x.shape[1])
+
+
+def _op_setup(ctx: Any, inputs: tuple[Tensor, Tensor, Tensor | None], output: Tensor) -> None:
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _op_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    x, weight = ctx.saved_tensors
+    g2 = grad.reshape(-1, grad.shape[-1])
+    gx = gw = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = torch.ops.vtdense.onednn_mm(g2, weight).view(x.shape)
+    if ctx.needs_input_grad[1]:
+        gw = torch.ops.vtdense.onednn_mm_tn(g2, x.reshape(-1, x.shape[-1]))
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        gb = g2.sum(0)
+    return gx, gw, gb
+
+
+_op_linear.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def apply_linear(module: nn.Module, x: Tensor) -> Tensor:
+    """``module(x)``, through :func:`linear` when ``module`` is a plain, unhooked ``nn.Linear``
+    (:func:`~vtdense.layers.plain.plain_linear`); any other module is called as it is."""
+    if plain_linear(module):
+        return linear(x, module.weight, module.bias)  # type: ignore[arg-type]
+    return module(x)

@@ -1,0 +1,35 @@
+"""Whether eager-only shortcuts may run: graph capture and ``torch.func`` transforms.
+
+The backbones' fast paths (fused autograd functions, chunks, caches, oneDNN matmuls) are eager
+PyTorch. A graph being built (``torch.compile``, ``torch.export``, TorchScript) or a functorch
+transform must see the plain operations instead; :func:`tracing` tells them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import forward_ad as _forward_ad
+
+__all__ = ["tracing", "functorch_transform"]
+
+
+def functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vmap``, ``jvp``, ``jacrev``, ...) is
+    running, or forward-mode AD (a ``torch.autograd.forward_ad`` dual level): its tensors are
+    wrappers or dual tensors that custom autograd functions (no ``setup_context`` / ``jvp``), fused
+    kernels without forward derivatives, in-place writes into chunks and memory-format queries do
+    not support, and nothing computed under it may be cached."""
+    if torch.compiler.is_compiling():  # Dynamo runs the transforms itself, and graphs take the plain path anyway
+        return False
+    if getattr(_forward_ad, "_current_level", -1) >= 0:
+        return True
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def tracing() -> bool:
+    """Whether a graph is being built (``torch.compile``, ``torch.export``, TorchScript tracing or
+    scripting) or a ``torch.func`` transform runs (:func:`functorch_transform`): eager-only
+    shortcuts (fused autograd functions, chunking, caches) must then keep the plain form."""
+    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+            or torch.jit.is_scripting() or functorch_transform())
