@@ -66,6 +66,27 @@ def test_linear_values_and_gradients_equal_plain_autograd(backend: str, shape: t
     assert (ops.counts.get("_linear_pointwise", 0) == 3) == (backend == "onednn"), ops.counts
 
 
+def test_flop_counter_counts_the_onednn_matmuls() -> None:
+    """``FlopCounterMode`` gives a backbone the same FLOPs on either backend, eager and compiled."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8])
+    x = torch.randn(1, 3, 64, 96)
+    counts = []
+    for backend in ("blas", "onednn"):
+        with use_cpu_matmul(backend), FlopCounterMode(display=False) as counter:
+            sum(f.sum() for f in model(x).values()).backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == counts[1] > 0
+    g = torch.Generator().manual_seed(0)
+    a, w, gout = torch.randn(10, 16, generator=g), torch.randn(24, 16, generator=g), torch.randn(10, 24, generator=g)
+    with FlopCounterMode(display=False) as counter:
+        torch.ops.vtdense.onednn_linear(a, w, None)
+        torch.ops.vtdense.onednn_mm(gout, w)
+        torch.ops.vtdense.onednn_mm_tn(gout, a)
+    assert counter.get_total_flops() == 3 * 2 * 10 * 16 * 24
+
+
 def test_double_backward_through_the_onednn_linear() -> None:
     """Under ``create_graph`` the backward stays differentiable (a gradient penalty)."""
     g = torch.Generator().manual_seed(1)
@@ -211,3 +232,30 @@ def test_environment_variable_is_checked_and_auto_draws_no_random_numbers() -> N
     assert "VTDENSE_CPU_MATMUL='mkl'" in bad.stderr and "expected one of" in bad.stderr.splitlines()[-1]
     with pytest.raises(ValueError, match="one of"):
         cpu_linear.set_cpu_matmul("openblas")
+
+
+def test_detector_box_head_and_predictor_run_through_onednn_as_torchvision() -> None:
+    """The R-CNN box head and predictor keep torchvision's layers and keys; with oneDNN they give
+    torchvision's outputs and gradients."""
+    from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
+
+    from vtdense.models.detection import BoxHead, BoxPredictor
+
+    torch.manual_seed(0)
+    ours_head, ours_pred = BoxHead(16 * 7 * 7, 64), BoxPredictor(64, 5)
+    ref_head, ref_pred = TwoMLPHead(16 * 7 * 7, 64), FastRCNNPredictor(64, 5)
+    ref_head.load_state_dict(ours_head.state_dict())
+    ref_pred.load_state_dict(ours_pred.state_dict())
+    x = torch.randn(12, 16, 7, 7, requires_grad=True)
+    with use_cpu_matmul("onednn"), _Ops() as ops:
+        logits, deltas = ours_pred(ours_head(x))
+        (logits.sum() + deltas.square().sum()).backward()
+    assert ops.counts.get("_linear_pointwise", 0) >= 4 and not ops.counts.get("addmm"), ops.counts
+    got = [logits, deltas, x.grad, ours_head.fc6.weight.grad, ours_pred.bbox_pred.weight.grad]
+    x.grad = None
+    logits, deltas = ref_pred(ref_head(x))
+    (logits.sum() + deltas.square().sum()).backward()
+    for a, b in zip(got, [logits, deltas, x.grad, ref_head.fc6.weight.grad, ref_pred.bbox_pred.weight.grad]):
+        _close(a, b)
+    with pytest.raises(AssertionError, match="box features must be"):
+        ours_pred(torch.randn(2, 64, 2, 1))

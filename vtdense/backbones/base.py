@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from vtdense.layers.cpu_linear import cpu_matmul, packed_weights
+from vtdense.layers.cpu_linear import cpu_matmul
 from vtdense.layers.tracing import tracing
 
 __all__ = ["Backbone", "run_blocks"]
@@ -94,13 +94,6 @@ class Backbone(nn.Module):
         """
         if not tracing() and x.shape[0] == 0:  # (no size read, so no guard, under compile or export)
             return self._empty_pyramid(x)
-        if tracing() or torch.is_grad_enabled():
-            # (training reorders per call, as compiled graphs do, so both give the same bits)
-            return self._run_stages(x, stages)
-        with packed_weights():  # inference: each weight reordered for oneDNN once per call (see cpu_linear)
-            return self._run_stages(x, stages)
-
-    def _run_stages(self, x: Tensor, stages: Iterable[nn.Module]) -> "OrderedDict[str, Tensor]":
         out: OrderedDict[str, Tensor] = OrderedDict()
         names = dict(zip(self.out_indices, self.out_names))
         norms = getattr(self, "out_norms", None)

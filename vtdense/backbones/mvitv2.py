@@ -59,7 +59,7 @@ from vtdense.layers import chunked
 from vtdense.layers.chunked import chunking_applies, row_slices, tracing, window_slices
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp
-from vtdense.layers.cpu_linear import apply_linear, linear
+from vtdense.layers.cpu_linear import apply_linear, linear, packed_weights
 from vtdense.layers.plain import plain_linear, plain_module
 from vtdense.layers.position import (
     decomposed_rel_pos_bias,
@@ -376,7 +376,8 @@ class MultiScaleBlock(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``(B, H, W, dim) -> (B, ceil(H/sq), ceil(W/sq), dim_out)``."""
         if chunking_applies(x, self):
-            return self._forward_chunked(x)
+            with packed_weights():  # each weight reordered for oneDNN once for all the chunks (see cpu_linear)
+                return self._forward_chunked(x)
         x_norm = self.norm1(x)
         shortcut = x if self.shortcut_proj_attn is None else apply_linear(self.shortcut_proj_attn, x_norm)
         if self.shortcut_pool_attn is not None:

@@ -34,7 +34,7 @@ from vtdense.layers.cpu_window_attention import (
     qkv_window_attention_applies,
 )
 from vtdense.layers.drop import DropPath
-from vtdense.layers.cpu_linear import apply_linear, linear
+from vtdense.layers.cpu_linear import apply_linear, linear, packed_weights
 from vtdense.layers.mlp import Mlp, norm_linear
 from vtdense.layers.plain import plain_layer_norm, plain_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
@@ -315,7 +315,8 @@ class SwinBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if chunking_applies(x, self):
-            return self._forward_chunked(x)
+            with packed_weights():  # each weight reordered for oneDNN once for all the chunks (see cpu_linear)
+                return self._forward_chunked(x)
         if self.post_norm:
             x = x + self.drop_path1(self.norm1(self._window_attention(x)))
             x = x + self.drop_path2(self.norm2(self.mlp(x)))

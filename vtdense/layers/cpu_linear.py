@@ -324,6 +324,36 @@ def _op_backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, 
 _op_linear.register_autograd(_op_backward, setup_context=_op_setup)
 
 
+def _register_flop_formulas() -> None:
+    """Teach ``torch.utils.flop_counter.FlopCounterMode`` the FLOPs of these matmuls (2 per
+    multiply-add, as for ``mm``), so FLOP counts of a model do not depend on the backend."""
+    from torch.utils.flop_counter import register_flop_formula
+
+    def rows(shape: Any) -> int:
+        n = 1
+        for d in shape[:-1]:
+            n *= d
+        return n
+
+    def linear_flops(x_shape: Any, w_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return 2 * rows(x_shape) * x_shape[-1] * out_shape[-1]
+
+    def mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    def mm_tn_flops(g_shape: Any, x_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+        return 2 * g_shape[0] * g_shape[1] * x_shape[1]
+
+    register_flop_formula(torch.ops.vtdense.onednn_linear)(linear_flops)
+    register_flop_formula(torch.ops.vtdense.onednn_mm)(mm_flops)
+    register_flop_formula(torch.ops.vtdense.onednn_mm_tn)(mm_tn_flops)
+    if _available():
+        register_flop_formula(torch.ops.mkldnn._linear_pointwise)(linear_flops)
+
+
+_register_flop_formulas()
+
+
 def apply_linear(module: nn.Module, x: Tensor) -> Tensor:
     """``module(x)``, through :func:`linear` when ``module`` is a plain, unhooked ``nn.Linear``
     (:func:`~vtdense.layers.plain.plain_linear`); any other module is called as it is."""

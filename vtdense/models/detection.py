@@ -20,6 +20,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.models.detection import FCOS, FasterRCNN, MaskRCNN, RetinaNet
 from torchvision.models.detection.anchor_utils import AnchorGenerator
@@ -30,6 +31,7 @@ from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool, LastLevelP6P7
 
 from vtdense.backbones.base import Backbone
+from vtdense.layers.cpu_linear import apply_linear
 
 __all__ = [
     "HEADS",
@@ -37,6 +39,8 @@ __all__ = [
     "IMAGENET_STD",
     "NoResizeTransform",
     "BackboneWithFPN",
+    "BoxHead",
+    "BoxPredictor",
     "Float32AnchorGenerator",
     "build_detector",
     "check_size_divisibility",
@@ -241,6 +245,28 @@ def _pick(value: int | None, key: str, slim: bool) -> int:
     return (SLIM_DEFAULTS if slim else FULL_DEFAULTS)[key]
 
 
+class BoxHead(TwoMLPHead):
+    """torchvision's ``TwoMLPHead`` (the same layers and state-dict keys, ``fc6`` / ``fc7``) with
+    its linear layers through :func:`vtdense.layers.cpu_linear.linear`: oneDNN on the CPU where
+    that is faster, ``F.linear`` otherwise. ``(R, C, 7, 7)`` RoI features -> ``(R, width)``."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(apply_linear(self.fc6, x.flatten(start_dim=1)))
+        return F.relu(apply_linear(self.fc7, x))
+
+
+class BoxPredictor(FastRCNNPredictor):
+    """torchvision's ``FastRCNNPredictor`` (same layers and keys) with its linear layers through
+    :func:`vtdense.layers.cpu_linear.linear`. ``(R, width)`` (or ``(R, width, 1, 1)``) ->
+    class logits ``(R, classes)`` and box deltas ``(R, 4 * classes)``."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        if x.dim() == 4:
+            torch._assert(list(x.shape[2:]) == [1, 1], f"box features must be (R, C) or (R, C, 1, 1), got {list(x.shape)}")
+        x = x.flatten(1)
+        return apply_linear(self.cls_score, x), apply_linear(self.bbox_pred, x)
+
+
 def _rcnn(
     neck: BackboneWithFPN, num_classes: int, masks: bool, opts: dict[str, Any], head_kwargs: dict[str, Any]
 ) -> nn.Module:
@@ -255,8 +281,8 @@ def _rcnn(
     kwargs: dict[str, Any] = dict(
         rpn_anchor_generator=anchor_gen,
         box_roi_pool=box_pool,
-        box_head=TwoMLPHead(c * 7 * 7, width),
-        box_predictor=FastRCNNPredictor(width, num_classes + 1),
+        box_head=BoxHead(c * 7 * 7, width),
+        box_predictor=BoxPredictor(width, num_classes + 1),
         box_batch_size_per_image=_pick(opts["rois_per_image"], "rois_per_image", opts["slim"]),
         box_detections_per_img=opts["detections_per_img"],
         box_score_thresh=opts["score_thresh"],
