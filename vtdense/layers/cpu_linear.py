@@ -1,30 +1,33 @@
 """Float32 linear layers and matmuls on the CPU through oneDNN.
 
 PyTorch runs a float32 ``linear`` or ``mm`` on the CPU through its BLAS, which is Intel MKL in the
-official wheels. MKL chooses its kernels by CPU vendor: on AMD CPUs it runs its AVX2 code even
-where the CPU has full-width AVX-512. oneDNN, which every CPU wheel also carries (PyTorch runs its
-convolutions with it), chooses by instruction set. On the 2-core AMD EPYC (Zen 5) these backbones
-were tuned on, oneDNN's float32 matmul ran the backbones' linear layers at 400-500 GFLOP/s where
-MKL ran them at 200-220; on CPUs where MKL has its best kernels the two are about even.
+official wheels. MKL picks its kernels by CPU vendor and does not use AVX-512 on AMD CPUs. oneDNN,
+which every CPU wheel also carries (PyTorch runs its convolutions with it), picks them by
+instruction set. On the 2-core AMD EPYC (Zen 5) these backbones were tuned on, oneDNN's float32
+matmul ran the backbones' linear layers at 400-500 GFLOP/s where MKL ran them at 200-220; on CPUs
+where MKL has its AVX-512 kernels the two are about even.
 
-So on the CPU, in float32 and eagerly, the backbones' linear layers and the matmuls of their
-chunked backward passes go through :func:`linear`, :func:`mm` and :func:`mm_tn`, which call
-oneDNN when :func:`cpu_matmul` says ``"onednn"``:
+So on the CPU, in float32, the backbones' linear layers and the matmuls of their chunked backward
+passes go through :func:`linear`, :func:`mm` and :func:`mm_tn`, which call oneDNN when
+:func:`cpu_matmul` says ``"onednn"``:
 
 - ``"auto"`` (the default, or the ``VTDENSE_CPU_MATMUL`` environment variable): the first call
-  times one mid-sized linear both ways (a few milliseconds, once per process, no random numbers
-  drawn) and keeps oneDNN where it is at least 1.15x faster;
-- ``"onednn"`` or ``"blas"`` force one (:func:`set_cpu_matmul`).
+  (every backbone makes it when it is built) times one mid-sized linear both ways (a few
+  milliseconds, once per process, no random numbers drawn) and keeps oneDNN where it is at least
+  1.15x faster;
+- ``"onednn"`` or ``"blas"`` force one (:func:`set_cpu_matmul`, :func:`use_cpu_matmul`).
 
-Everything else keeps ``F.linear``: other devices and dtypes, autocast, and graphs
-(``torch.compile``, ``torch.export``, TorchScript, ``torch.func`` transforms), which see the plain
-op. Both libraries compute the same float32 products in a different order, so results differ by
-float rounding (a few units in the last place), not more.
+Inside ``torch.compile`` the same kernel runs as the custom op ``vtdense::onednn_linear`` (with
+its backward), so compiled code computes what eager code does. Everything else keeps ``F.linear``:
+other devices and dtypes, autocast, ``torch.export`` / ONNX graphs (which must stay portable),
+TorchScript and ``torch.func`` transforms. Both libraries compute the same float32 products in a
+different order, so results differ by float rounding, not more.
 
 A weight is given to oneDNN in its own blocked layout, and reordering it costs about as much as
-reading it. Within :func:`packed_weights` (the backbones open it around one forward pass) each
-weight is reordered once and the copy reused by every chunk that calls it; the copies are dropped
-when the scope closes, so no weight is ever read stale and nothing outlives the call.
+reading it. Within :func:`packed_weights` (the backbones open it around each chunked block call in
+inference) each weight is reordered once and the copy reused by every chunk that calls it; the
+copies are dropped when the scope closes, so no weight is ever read stale and no copy outlives
+the call.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vtdense.layers.tracing import tracing
 from vtdense.layers.plain import plain_linear
+from vtdense.layers.tracing import tracing
 
 __all__ = ["linear", "apply_linear", "mm", "mm_tn", "linear_into", "packed_weights", "set_cpu_matmul",
            "use_cpu_matmul", "cpu_matmul", "onednn_applies", "ENV_VAR"]
@@ -344,11 +347,15 @@ def _register_flop_formulas() -> None:
     def mm_tn_flops(g_shape: Any, x_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
         return 2 * g_shape[0] * g_shape[1] * x_shape[1]
 
-    register_flop_formula(torch.ops.vtdense.onednn_linear)(linear_flops)
-    register_flop_formula(torch.ops.vtdense.onednn_mm)(mm_flops)
-    register_flop_formula(torch.ops.vtdense.onednn_mm_tn)(mm_tn_flops)
+    from torch.utils.flop_counter import flop_registry
+
+    ops = [(torch.ops.vtdense.onednn_linear, linear_flops), (torch.ops.vtdense.onednn_mm, mm_flops),
+           (torch.ops.vtdense.onednn_mm_tn, mm_tn_flops)]
     if _available():
-        register_flop_formula(torch.ops.mkldnn._linear_pointwise)(linear_flops)
+        ops.append((torch.ops.mkldnn._linear_pointwise, linear_flops))
+    for packet, formula in ops:
+        if packet not in flop_registry:  # (a torch that has its own formula keeps it)
+            register_flop_formula(packet)(formula)
 
 
 _register_flop_formulas()
