@@ -177,20 +177,23 @@ def test_backbones_through_onednn_equal_timm_and_blas(name: str, timm_name: str,
         _close(grads["onednn"][n], grads["blas"][n], 1e-4)
 
 
-def test_packed_copies_live_for_one_forward_and_follow_in_place_edits() -> None:
+@pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny"])
+@pytest.mark.parametrize("through_data", [False, True])
+def test_packed_copies_live_for_one_forward_and_follow_in_place_edits(name: str, through_data: bool) -> None:
     """Weights edited between two forwards are used as they are now: the packed copies last one
-    call, also for an edit through ``.data``, which autograd's version counter does not see."""
+    call; the cached position bias follows too, also after an edit through ``.data``, which
+    autograd's version counter does not see."""
     torch.manual_seed(0)
-    model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]).eval()
+    kw = dict(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8])
+    model = vtdense.create_backbone(name, **kw).eval()
     x = torch.randn(1, 3, 64, 64)
     with use_cpu_matmul("onednn"), torch.no_grad():
         model(x)
         assert getattr(cpu_linear._local, "cache", None) is None
-        for n, p in model.named_parameters():
-            if "mlp" in n or "qkv" in n or "proj" in n:
-                p.mul_(1.5)
+        for p in model.parameters():
+            (p.data if through_data else p).mul_(1.5)
         edited = model(x)
-        fresh = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]).eval()
+        fresh = vtdense.create_backbone(name, **kw).eval()
         fresh.load_state_dict(model.state_dict())
         want = fresh(x)
     for k in want:
@@ -259,3 +262,25 @@ def test_detector_box_head_and_predictor_run_through_onednn_as_torchvision() -> 
         _close(a, b)
     with pytest.raises(AssertionError, match="box features must be"):
         ours_pred(torch.randn(2, 64, 2, 1))
+
+
+def test_auto_keeps_whichever_library_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` times both once: a oneDNN kernel slower than the BLAS is not chosen, a faster one is."""
+    import time
+
+    plain_linear = F.linear
+    fast_lp = cpu_linear._lp
+
+    def slow(fn):  # noqa: ANN001, ANN202
+        def wrapped(*args):  # noqa: ANN002, ANN202
+            time.sleep(0.005)
+            return fn(*args)
+        return wrapped
+
+    monkeypatch.setattr(cpu_linear, "_lp", slow(fast_lp))
+    with use_cpu_matmul("auto"):
+        assert cpu_linear.cpu_matmul() == "blas"
+    monkeypatch.setattr(cpu_linear, "_lp", fast_lp)
+    monkeypatch.setattr(cpu_linear.F, "linear", slow(plain_linear))
+    with use_cpu_matmul("auto"):
+        assert cpu_linear.cpu_matmul() == "onednn"

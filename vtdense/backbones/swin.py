@@ -105,7 +105,7 @@ class WindowAttention(nn.Module):
             nn.init.trunc_normal_(self.relative_position_bias_table, std=0.02)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
-        self._bias_cache: dict[tuple, tuple[tuple, Tensor]] = {}
+        self._bias_cache: dict[tuple, tuple[tuple, Tensor, tuple[Tensor, ...] | None]] = {}
 
     def position_bias(self, window: tuple[int, int]) -> Tensor:
         """``(heads, N, N)`` bias for a window no larger than the nominal one.
@@ -146,13 +146,16 @@ class WindowAttention(nn.Module):
         key = (window, dtype)
         stamp = tuple((p._version, p.data_ptr()) for p in params)
         hit = self._bias_cache.get(key)
-        if hit is not None and hit[0] == stamp:
+        if hit is not None and hit[0] == stamp and _same_values(hit[2], params):
             return hit[1]
         with torch.no_grad():
             value = _pad_rows(self.position_bias(window).to(dtype))
+            # On the CPU also a copy of the (small) parameters: an edit through ``.data`` bumps no
+            # version counter. (On a GPU comparing would wait for the device in every block.)
+            copies = tuple(p.detach().clone() for p in params) if all(p.device.type == "cpu" for p in params) else None
         if len(self._bias_cache) >= 8:
             self._bias_cache.clear()
-        self._bias_cache[key] = (stamp, value)
+        self._bias_cache[key] = (stamp, value, copies)
         return value
 
     def attn_term(self, window: tuple[int, int], mask: Tensor | None, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -224,6 +227,11 @@ class WindowAttention(nn.Module):
             out = attention(q, k, v, term, dropout=dropout)
         out = out.transpose(2, 3).reshape(B, nW, N, C)
         return self.proj_drop(apply_linear(self.proj, out))
+
+
+def _same_values(copies: tuple[Tensor, ...] | None, params: list[Tensor]) -> bool:
+    """Whether ``params`` still hold the values ``copies`` took (``True`` when no copies were kept)."""
+    return copies is None or all(torch.equal(c, p) for c, p in zip(copies, params))
 
 
 def _pad_rows(t: Tensor, value: float | bool = 0.0) -> Tensor:
