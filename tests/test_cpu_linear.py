@@ -264,6 +264,27 @@ def test_detector_box_head_and_predictor_run_through_onednn_as_torchvision() -> 
         ours_pred(torch.randn(2, 64, 2, 1))
 
 
+def test_auto_probes_only_real_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backbone built under ``torch.device("meta")`` or inside a dispatch mode (fake tensors,
+    FLOP counting) leaves the choice to the first call outside it: timing meta or fake ops would
+    decide at random, and a FLOP counter would count the probe."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with use_cpu_matmul("auto"):
+        cpu_linear._use = None
+        with FlopCounterMode(display=False) as counter:
+            vtdense.create_backbone("swin_tiny", embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1])
+            assert cpu_linear.cpu_matmul() == "blas"
+        assert cpu_linear._use is None and counter.get_total_flops() == 0
+        seen = []
+        real_lp = cpu_linear._lp
+        monkeypatch.setattr(cpu_linear, "_lp", lambda x, w, b: (seen.append(x.device.type), real_lp(x, w, b))[1])
+        with torch.device("meta"):
+            model = vtdense.create_backbone("swin_tiny", embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1])
+        assert next(model.parameters()).is_meta
+        assert cpu_linear._use is not None and seen and set(seen) == {"cpu"}  # probed on real CPU tensors
+
+
 def test_auto_keeps_whichever_library_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
     """``auto`` times both once: a oneDNN kernel slower than the BLAS is not chosen, a faster one is."""
     import time

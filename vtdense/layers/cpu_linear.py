@@ -95,8 +95,8 @@ def _probe() -> bool:
     """Whether oneDNN runs a ``(2048, 256) x (256, 768)`` linear at least :data:`_PROBE_MARGIN`
     times as fast as ``F.linear`` (best of 5 each, after one untimed call)."""
     with torch.no_grad():
-        x = torch.full((2048, 256), 0.01)
-        w = torch.full((768, 256), 0.02)
+        x = torch.full((2048, 256), 0.01, device="cpu")  # (not a `with torch.device("meta")` default)
+        w = torch.full((768, 256), 0.02, device="cpu")
 
         def best(fn: Any) -> float:
             fn()
@@ -125,10 +125,19 @@ def cpu_matmul() -> str:
         if not _available():
             _use = False
         elif _choice == "auto":
+            if _len_dispatch_modes():
+                # a fake-tensor, FLOP-counting or other dispatch mode would see (and falsify) the
+                # probe: answer "blas" for now and decide at the first call outside such a mode
+                return "blas"
             _use = _probe()
         else:
             _use = _choice == "onednn"
     return "onednn" if _use else "blas"
+
+
+def _len_dispatch_modes() -> int:
+    length = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    return length() if length is not None else 0
 
 
 def onednn_applies(x: Tensor, weight: Tensor) -> bool:
