@@ -61,6 +61,40 @@ def test_dynamic_compile_does_not_recompile_at_new_sizes(name: str) -> None:
     assert _graphs() == after_two, f"recompiled: graphs/frames {after_two} -> {_graphs()}"
 
 
+@pytest.mark.parametrize("version", ["swin_tiny", "swinv2_tiny"])
+def test_compiled_cpu_inference_calls_the_eager_kernels(version: str) -> None:
+    """Compiled float32 CPU inference calls the kernels eager inference runs (oneDNN linear layers,
+    window attention image by image) as opaque ops, and gives eager's maps; with gradients it
+    keeps SDPA (the ops have no backward)."""
+    from vtdense.layers.cpu_linear import use_cpu_matmul
+
+    graphs: list[str] = []
+
+    def record(gm, example_inputs):  # noqa: ANN001, ANN202
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = vtdense.create_backbone(version, **TINY).eval()
+    x = torch.randn(2, 3, 72, 88)
+    with use_cpu_matmul("onednn"):
+        compiled = torch.compile(model, backend=record)
+        with torch.no_grad():
+            got, expected = compiled(x), model(x)
+        text = "\n".join(graphs)
+        assert "vtdense.window_attention_cpu" in text and "vtdense.onednn_linear" in text
+        assert "scaled_dot_product_attention" not in text
+        for k in got:
+            torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-5)
+        graphs.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=record)
+        sum(f.sum() for f in compiled(x).values()).backward()
+        text = "\n".join(graphs)
+        assert "scaled_dot_product_attention" in text and "window_attention_cpu" not in text
+
+
 def test_torch_export_leaves_no_traced_tensors_in_the_size_caches() -> None:
     """Exporting at a size never seen in eager must not fill the mask/index caches with fake tensors."""
     import vtdense

@@ -22,7 +22,7 @@ and the strided ``q, k, v`` in place (``baddbmm`` + softmax + ``bmm`` without au
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +169,50 @@ def _attention_image_by_image(q: Tensor, k: Tensor, v: Tensor, term: Tensor, sca
     return out.transpose(2, 3)
 
 
+def _compiled_image_by_image(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> bool:
+    """Inside ``torch.compile`` (not ``torch.export``): the case :func:`_image_by_image` serves
+    eagerly, in float32 without autocast. The graph then calls that same path as the opaque op
+    ``vtdense::window_attention_cpu`` rather than SDPA's CPU flash kernel, which measured slower at
+    window sizes (and compiled code then computes what eager code does)."""
+    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    if q.device.type != "cpu" or q.dim() != 5 or not (q.dtype == k.dtype == v.dtype == torch.float32):
+        return False
+    if mask.dim() != 3 and not (mask.dim() == 4 and mask.shape[0] == q.shape[1]):
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or mask.requires_grad):
+        return False
+    return not torch.is_autocast_enabled("cpu")
+
+
+@torch.library.custom_op("vtdense::window_attention_cpu", mutates_args=())
+def _op_window_attention(q: Tensor, k: Tensor, v: Tensor, term: Tensor, scale: float) -> Tensor:
+    return _attention_image_by_image(q, k, v, term, scale)
+
+
+@_op_window_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, term: Tensor, scale: float) -> Tensor:
+    B, nW, h, nq, _ = q.shape
+    return q.new_empty(B, nW, nq, h, v.shape[-1]).transpose(2, 3)  # the layout the eager path returns
+
+
+def _window_attention_flops(q_shape: Any, k_shape: Any, v_shape: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    n = 1
+    for dim in q_shape[:-1]:
+        n *= dim
+    return 2 * n * k_shape[-2] * (q_shape[-1] + v_shape[-1])
+
+
+def _register_flops() -> None:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    if torch.ops.vtdense.window_attention_cpu not in flop_registry:
+        register_flop_formula(torch.ops.vtdense.window_attention_cpu)(_window_attention_flops)
+
+
+_register_flops()
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -204,6 +248,8 @@ def attention(
     dtype = _term_dtype(q, backend)
     if backend == "sdpa" and mask is not None and _image_by_image(q, k, v, mask):
         return _attention_image_by_image(q, k, v, mask.to(dtype), scale)
+    if backend == "sdpa" and mask is not None and _compiled_image_by_image(q, k, v, mask):
+        return torch.ops.vtdense.window_attention_cpu(q, k, v, mask.to(dtype), float(scale))
     fold = _FOLD_WINDOWS and mask is not None and mask.dim() == 4 < q.dim() and mask.shape[0] > 1
     if fold:
         # Per-window term: fold the windows into the heads, (B, nW*h, N, d), so the term is one

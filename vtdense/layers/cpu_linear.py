@@ -275,7 +275,9 @@ def _compiled_applies(x: Tensor, weight: Tensor) -> bool:
     ``torch.func`` transform): float32 CPU tensors, autocast off, and oneDNN chosen before the
     graph was captured (the backbones resolve the choice when they are built; a choice not made
     yet counts as ``"blas"``, so no probe runs while tracing)."""
-    if not torch.compiler.is_compiling() or torch.compiler.is_exporting() or not _use:
+    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+        return False
+    if not (_use if _use is not None else _choice == "onednn" and _available()):  # (a forced choice needs no probe)
         return False
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
