@@ -277,7 +277,7 @@ def _compiled_applies(x: Tensor, weight: Tensor) -> bool:
     yet counts as ``"blas"``, so no probe runs while tracing)."""
     if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
         return False
-    if not (_use if _use is not None else _choice == "onednn" and _available()):  # (a forced choice needs no probe)
+    if not (_use if _use is not None else _choice == "onednn"):  # (a forced choice needs no probe; set_cpu_matmul checked it)
         return False
     if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         return False
