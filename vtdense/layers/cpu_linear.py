@@ -121,6 +121,8 @@ def cpu_matmul() -> str:
             env = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
             if env not in _CHOICES:
                 raise ValueError(f"environment variable {ENV_VAR}={env!r}: expected one of {_CHOICES}")
+            if env == "onednn" and not _available():
+                raise ValueError(f"environment variable {ENV_VAR}=onednn: torch {torch.__version__} has no oneDNN")
             _choice = env
         if not _available():
             _use = False
