@@ -7,7 +7,7 @@ On the device the tests never see (CI has no GPU), this answers:
   MViTv2 (global and hybrid windows); in bf16 autocast each path's output against fp32 ``math``
   (the relative error bf16 itself brings, about 1e-2); for MViTv2 also the gradients of its
   training default (relative positions folded into q/k) against the additive bias;
-- **dynamic compile**: ``torch.compile(backbone, dynamic=True)`` at two sizes, then five more
+- **dynamic compile**: ``torch.compile(backbone, dynamic=True, fullgraph=True)`` at two sizes, then five more
   detection sizes: seconds per call (the first holds the compile; target under 2 minutes on a
   GPU), Dynamo's graph and frame counts after the first two sizes and at the end (equal: no
   recompilation) and the compiled output's max abs difference to eager.
@@ -114,8 +114,9 @@ def check_paths(name: str, tiny: bool, device: str) -> dict[str, Any]:
 
 
 def check_compile(name: str, tiny: bool, device: str, backend: str) -> dict[str, Any]:
-    """``torch.compile(model, dynamic=True)`` over two sizes, then five more: seconds per call,
-    Dynamo's counts after two sizes and at the end, max abs difference to eager."""
+    """``torch.compile(model, dynamic=True, fullgraph=True)`` over two sizes, then five more: seconds
+    per call, Dynamo's counts after two sizes and at the end (one graph: a break is an error), max abs
+    difference to eager."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -123,7 +124,7 @@ def check_compile(name: str, tiny: bool, device: str, backend: str) -> dict[str,
     counters.clear()
     torch.manual_seed(0)
     model = _model(name, tiny, device).eval()
-    compiled = torch.compile(model, dynamic=True, backend=backend)
+    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend=backend)
     first, more = COMPILE_SIZES[tiny]
     seconds, diff = [], 0.0
     after_two: tuple[int, int] | None = None

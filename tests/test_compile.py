@@ -1,10 +1,10 @@
-"""``torch.compile(backbone, dynamic=True)`` at changing input sizes: after the first two sizes,
-five more detection-like sizes compile nothing new, and compiled outputs equal eager, for Swin V1,
-Swin V2 and MViTv2 (global and windowed attention).
+"""``torch.compile(backbone, dynamic=True, fullgraph=True)`` at changing input sizes: one graph with
+no break; after the first two sizes, five more detection-like sizes compile nothing new, and compiled
+outputs equal eager, for Swin V1, Swin V2 and MViTv2 (global and windowed attention).
 
-The size-dependent Python (window masks, roll/partition indices, position-table indices, all
-cached per size) runs outside the traced graph, so Dynamo neither specialises on the sizes nor
-traces into the caches. Dynamo's own graph capture (``backend="eager"``) is what decides
+The size-dependent Python (window masks and roll/partition indices, cached per size) runs inside
+custom ops that take the symbolic sizes, so Dynamo neither specialises on the sizes nor traces into
+the caches, and the graph does not break. Dynamo's own graph capture (``backend="eager"``) is what decides
 recompilation; it keeps the test within seconds on 2 CPU cores, where Inductor's C++ build of
 every graph would take minutes.
 """
@@ -45,7 +45,7 @@ def test_dynamic_compile_does_not_recompile_at_new_sizes(name: str) -> None:
     counters.clear()
     torch.manual_seed(0)
     model = vtdense.create_backbone(name.split("-")[0], **FAMILIES[name]).eval()
-    compiled = torch.compile(model, dynamic=True, backend="eager")
+    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")  # a graph break is an error
     with torch.no_grad():
         for size in FIRST:
             compiled(torch.randn(1, 3, *size))
@@ -59,6 +59,54 @@ def test_dynamic_compile_does_not_recompile_at_new_sizes(name: str) -> None:
                 assert got[k].shape == expected[k].shape, (size, k)
                 assert torch.allclose(got[k], expected[k], atol=1e-5), (size, k)
     assert _graphs() == after_two, f"recompiled: graphs/frames {after_two} -> {_graphs()}"
+
+
+@pytest.mark.parametrize("name", ["swin_tiny", "mvitv2_tiny-windows"])
+def test_compiled_training_is_one_graph_with_stochastic_depth(name: str) -> None:
+    """Training-mode compile (what ``compile_backbone`` does for a run) with drop-path rates that
+    differ per block: one graph for the whole backbone at every size, and the losses and gradients
+    of eager. (A graph break inside the blocks made Dynamo share one resume function between all
+    blocks and guard on each block's rate: it recompiled per block, hit its recompile limit and
+    ran the rest eagerly.)"""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    kwargs = {**FAMILIES[name], "drop_path_rate": 0.3}
+    model = vtdense.create_backbone(name.split("-")[0], **kwargs).train()
+    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")
+    for i, size in enumerate(FIRST + MORE[:2]):
+        x = torch.randn(2, 3, *size)
+        grads = []
+        for m in (compiled, model):
+            model.zero_grad()
+            torch.manual_seed(i)  # the same drop-path draws in both
+            sum(f.square().mean() for f in m(x).values()).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
+
+
+def test_window_cache_ops_match_their_fake_shapes_and_hand_out_copies() -> None:
+    """The custom ops that fetch the cached mask / indices inside graphs: their fake (symbolic-size)
+    implementations agree with the real ones (``torch.library.opcheck``), their values are the
+    eager functions', and each call returns fresh memory, so a graph reusing a dead buffer cannot
+    write into the cache."""
+    from vtdense.layers import windows
+
+    cpu = torch.device("cpu")
+    for H, W, window, shift in ((14, 14, (7, 7), (3, 3)), (10, 13, (4, 4), (0, 0)), (8, 8, (4, 4), (0, 0))):
+        args = (H, W, *window, *shift, cpu)
+        torch.library.opcheck(windows._index_op, args)
+        torch.library.opcheck(windows._mask_op, args)
+        gather, scatter = windows._index_op(*args)
+        g2, s2 = windows.window_token_index(H, W, window, shift)
+        assert torch.equal(gather, g2) and torch.equal(scatter, s2)
+        assert gather.data_ptr() != g2.data_ptr() and gather.data_ptr() != windows._index_op(*args)[0].data_ptr()
+        mask = windows._mask_op(*args)
+        eager = windows.window_attention_mask(H, W, window, shift)
+        assert torch.equal(mask, eager if eager is not None else torch.zeros_like(mask))
+        assert not mask.any() if eager is None else mask.data_ptr() != eager.data_ptr()
 
 
 @pytest.mark.parametrize("version", ["swin_tiny", "swinv2_tiny"])

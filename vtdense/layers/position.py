@@ -95,7 +95,9 @@ def log_cpb_coords(
     Returns:
         ``((2h-1)*(2w-1), 2)`` float32 coordinates, row-major over (dy, dx).
     """
-    return _log_cpb_coords(tuple(window), tuple(pretrained_window), torch.device(device))
+    # graphs build them in place (Dynamo would trace through the cache anyway, with a warning)
+    build = _log_cpb_coords.__wrapped__ if tracing() else _log_cpb_coords
+    return build(tuple(window), tuple(pretrained_window), torch.device(device))
 
 
 def resize_bias_table(table: Tensor, old_window: tuple[int, int], new_window: tuple[int, int]) -> Tensor:
@@ -157,7 +159,7 @@ def rel_pos_lookup(
     if q_size > gq or k_size > gk:
         raise ValueError(f"positions ({q_size}, {k_size}) exceed the lookup grid ({gq}, {gk})")
     table = resize_rel_pos_table(rel_pos, 2 * max(gq, gk) - 1)
-    build = _decomposed_index.__wrapped__ if torch.compiler.is_exporting() else _decomposed_index  # no traced tensors cached
+    build = _decomposed_index.__wrapped__ if tracing() else _decomposed_index  # no traced tensors cached
     idx = build(int(gq), int(gk), table.device)
     if (q_size, k_size) != (gq, gk):
         idx = idx[:q_size, :k_size]

@@ -164,21 +164,41 @@ def _token_index_cached(
         return _token_index(H, W, window, shift, device)
 
 
-@torch.compiler.disable
-def _outside_graph_mask(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> Tensor:
-    mask = _window_mask_cached(int(H), int(W), window, shift, device)
-    return mask if mask is not None else _no_mask(int(H), int(W), window, device)
-
-
 @functools.lru_cache(maxsize=16)
 def _no_mask(H: int, W: int, window: tuple[int, int], device: torch.device) -> Tensor:
     n = (-(-H // window[0])) * (-(-W // window[1]))
     return torch.zeros(n, window[0] * window[1], window[0] * window[1], dtype=torch.bool, device=device)
 
 
-@torch.compiler.disable
-def _outside_graph_index(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> tuple[Tensor, Tensor]:
-    return _token_index_cached(int(H), int(W), window, shift, device)
+# Under torch.compile the cached index and mask are fetched by two custom ops: opaque to Dynamo
+# (which would otherwise trace the caches and specialise on the sizes) and to Inductor (which,
+# fusing the index arithmetic into the gathers, fails on symbolic sizes), yet inside the graph, so
+# a backbone compiles to one graph with no break (``fullgraph=True``). Their size arguments are
+# symbolic: a new input size runs the same graph. Each returns a copy, as a graph may reuse the
+# memory of an op's output once it is dead, and the cache must not see that.
+@torch.library.custom_op("vtdense::window_attention_mask", mutates_args=())
+def _mask_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> Tensor:
+    mask = _window_mask_cached(H, W, (wh, ww), (sh, sw), device)
+    return (mask if mask is not None else _no_mask(H, W, (wh, ww), device)).clone()
+
+
+@_mask_op.register_fake
+def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
+    n = (-(-H // wh)) * (-(-W // ww))
+    return torch.empty(n, wh * ww, wh * ww, dtype=torch.bool, device=device)
+
+
+@torch.library.custom_op("vtdense::window_token_index", mutates_args=())
+def _index_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    gather, scatter = _token_index_cached(H, W, (wh, ww), (sh, sw), device)
+    return gather.clone(), scatter.clone()
+
+
+@_index_op.register_fake
+def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
+    padded = (-(-H // wh)) * wh * (-(-W // ww)) * ww
+    return (torch.empty(padded, dtype=torch.long, device=device),
+            torch.empty(H * W, dtype=torch.long, device=device))
 
 
 def window_attention_mask(
@@ -191,15 +211,16 @@ def window_attention_mask(
     additive term with ``torch.where(mask, MASK_VALUE, bias)``. ``None`` when nothing needs
     masking. Cached per (H, W, window, shift, device): built once per feature-map size.
 
-    Under ``torch.compile`` the cached mask is fetched outside the traced graph (a graph break
-    that runs eagerly on the concrete sizes, so Dynamo neither traces the cache nor guards on the
-    sizes), and is never ``None`` (an all-False mask when nothing is masked), so a change of size
-    that adds or removes padding needs no new graph. ``torch.export`` builds it inside the graph.
+    Under ``torch.compile`` the cached mask is fetched by the custom op
+    ``vtdense::window_attention_mask`` (symbolic sizes, no graph break: Dynamo neither traces the
+    cache nor guards on the sizes), and is never ``None`` (an all-False mask when nothing is
+    masked), so a change of size that adds or removes padding needs no new graph.
+    ``torch.export`` builds it from tensor ops inside the graph.
     """
     if torch.compiler.is_exporting():  # traced once, at fixed sizes: build it in the graph, never cache traced tensors
         return _window_mask_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
     if torch.compiler.is_compiling():
-        return _outside_graph_mask(H, W, tuple(window), tuple(shift), torch.device(device))
+        return _mask_op(H, W, *window, *shift, torch.device(device))
     return _window_mask_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
 
 
@@ -216,13 +237,13 @@ def window_token_index(
         ``scatter``: ``(H * W,)`` position of each token in that sequence, so
         ``windows[:, scatter]`` is :func:`window_reverse`, roll back and crop in one gather.
 
-    Cached per size like the mask, and fetched outside the traced graph under ``torch.compile``
-    (built inside it under ``torch.export``).
+    Cached per size like the mask, and fetched by the custom op ``vtdense::window_token_index``
+    under ``torch.compile`` (built from tensor ops inside the graph under ``torch.export``).
     """
     if torch.compiler.is_exporting():
         return _token_index_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
     if torch.compiler.is_compiling():
-        return _outside_graph_index(H, W, tuple(window), tuple(shift), torch.device(device))
+        return _index_op(H, W, *window, *shift, torch.device(device))
     return _token_index_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
 
 

@@ -4,8 +4,9 @@ A detector's heads (torchvision's RPN, RoI sampling, NMS) and a segmentor's loss
 data-dependent Python that compiles poorly; the backbone (with the detector's FPN) is where the
 kernels are many and small. :func:`compile_backbone` compiles that part alone, in place
 (``nn.Module.compile``, so parameter names and checkpoints are unchanged) and with
-``dynamic=True``: vtdense keeps its size-dependent Python (window masks, index tables) out of the
-traced graph, so multi-scale training compiles once for every size instead of once per shape.
+``dynamic=True``: vtdense fetches its size-dependent tables (window masks, index tables) through
+custom ops that take the symbolic sizes, so the part is one graph with no break and multi-scale
+training compiles once for every size instead of once per shape.
 
 On a GPU this fuses the many elementwise kernels (casts, adds, norms) of each block, which is
 what a host-bound bf16 detector step spends its time launching. On a CPU the backbone is
@@ -14,8 +15,10 @@ matmul-bound and compiling gains little.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
+import torch
 from torch import nn
 
 __all__ = ["check_compile_option", "compile_backbone", "backbone_module", "is_compiled"]
@@ -104,8 +107,29 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
         return part
     kwargs.setdefault("dynamic", True)
     part.compile(backend=name, **kwargs)
+    if name == "eager":
+        part._compiled_call_impl = _without_ddp_graph_split(part._compiled_call_impl)
     part._vtdense_compiled = name  # what is_compiled reports
     return part
+
+
+def _without_ddp_graph_split(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, run with Dynamo's DDP graph splitting off.
+
+    Under DDP, Dynamo splits a graph at the gradient-bucket boundaries so that a compiled backward
+    can all-reduce bucket by bucket. With the ``eager`` backend the backward is plain autograd,
+    whose per-parameter hooks already let DDP overlap its all-reduce, so the split buys nothing;
+    and its shape propagation, which runs the pieces on fake tensors without the Python dispatcher,
+    fails on ``F.interpolate`` with symbolic sizes (the FPN's top-down path): "SymIntArrayRef
+    expected to contain only concrete integers". Scoped to this module's calls.
+    """
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(optimize_ddp=False):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def is_compiled(module: nn.Module) -> str | None:

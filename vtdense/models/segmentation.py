@@ -143,9 +143,8 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
     (``torch.jit.script`` raises one ``RuntimeError`` saying so: the backbones use Python-level
     caches, keyword-only arguments and dict outputs that TorchScript cannot compile); exportable
     (``torch.export.export(strict=True)`` gives the eager result, measured for Swin V1, V2 and
-    MViTv2); compilable in SMP's sense (``torch.compile(fullgraph=True, dynamic=True)``) for MViTv2
-    only, set per instance: for a one-block-per-stage Swin that compile did not finish within
-    400 s on a CPU (its size-dependent mask and index caches are traced symbolically).
+    MViTv2); compilable in SMP's sense (``torch.compile(fullgraph=True, dynamic=True)``: one graph,
+    no break, the eager result at every size) for all three families.
 
     Args:
         backbone_name: a name from :func:`vtdense.list_backbones` (without the ``vtdense-`` prefix).
@@ -163,7 +162,7 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
 
     _is_torch_scriptable = False
     _is_torch_exportable = True
-    _is_torch_compilable = False
+    _is_torch_compilable = True
 
     def __init__(
         self,
@@ -193,8 +192,6 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
             options["out_indices"] = tuple(range(depth - 1))
             self._trimmed = True
         self.backbone = self._build_backbone(options)
-        # measured (see the class docstring): SMP's fullgraph + dynamic compile works for MViTv2 only
-        self._is_torch_compilable = getattr(self.backbone, "family", None) == "mvitv2"
         self._in_channels = int(getattr(self.backbone, "in_chans", 3))
         self._out_channels = [self._in_channels, 0, *[int(c) for c in self.backbone.out_channels]][: depth + 1]
 
