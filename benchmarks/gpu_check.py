@@ -10,7 +10,9 @@ On the device the tests never see (CI has no GPU), this answers:
 - **dynamic compile**: ``torch.compile(backbone, dynamic=True, fullgraph=True)`` at two sizes, then five more
   detection sizes: seconds per call (the first holds the compile; target under 2 minutes on a
   GPU), Dynamo's graph and frame counts after the first two sizes and at the end (equal: no
-  recompilation) and the compiled output's max abs difference to eager.
+  recompilation) and the compiled output's max abs difference to eager;
+- **CUDA graphs**: ``mode="reduce-overhead"`` at three sizes, replayed after vtdense's size caches
+  were emptied and their memory reused: the replays still equal eager.
 
 Usage::
 
@@ -146,6 +148,40 @@ def check_compile(name: str, tiny: bool, device: str, backend: str) -> dict[str,
             "recompiled": end != after_two, "max abs diff to eager": diff}
 
 
+def check_cuda_graphs(name: str, tiny: bool, device: str) -> dict[str, Any]:
+    """``torch.compile(mode="reduce-overhead")`` (CUDA graphs) at three sizes, each run until its
+    graph is recorded; then vtdense's window mask / index caches are emptied and new tensors are
+    allocated over the memory they held, and each size's graph is replayed: max abs difference to
+    eager (a replay that read a freed cache entry would differ)."""
+    import torch._dynamo
+
+    from vtdense.layers import windows
+
+    if not device.startswith("cuda"):
+        return {"skipped": "CUDA graphs need a GPU"}
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _model(name, tiny, device).eval()
+    compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+    first, more = COMPILE_SIZES[tiny]
+    sizes = first + more[:1]
+    xs = [torch.randn(1, 3, *size, device=device) for size in sizes]
+    diff = 0.0
+    with torch.no_grad():
+        for x in xs:
+            for _ in range(3):  # warm-up, record, replay
+                compiled(x)
+        for cache in (windows._window_mask_cached, windows._token_index_cached, windows._no_mask):
+            cache.cache_clear()
+        junk = [torch.full((1 << 18,), 7, dtype=torch.int64, device=device) for _ in range(64)]  # reuses the freed memory
+        for x in xs:
+            got = {k: v.float().clone() for k, v in compiled(x).items()}  # a replay's outputs live until the next one
+            expected = model(x)
+            diff = max(diff, _max_diff(list(got.values()), [expected[k].float() for k in got]))
+        del junk
+    return {"sizes": [list(s) for s in sizes], "max abs diff to eager after the caches were emptied": diff}
+
+
 def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     try:
         return fn()
@@ -160,7 +196,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"### GPU checks: `python benchmarks/gpu_check.py --device {report['device']}`", "",
              f"{env.get('device_name', report['device'])}; torch {env.get('torch')}; tiny configs: {report['tiny']}.", "",
              "| backbone | check | result |", "|---|---|---|"]
-    for section in ("paths", "compile"):
+    for section in ("paths", "compile", "cuda graphs"):
         for name, res in report[section].items():
             for key, value in res.items():
                 if isinstance(value, float):
@@ -186,7 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.backends.cuda.matmul.allow_tf32 = False  # fp32 comparisons at 1e-5 need true fp32 matmuls
         torch.backends.cudnn.allow_tf32 = False
     report: dict[str, Any] = {"device": args.device, "tiny": args.tiny, "environment": environment(args.device),
-                              "paths": {}, "compile": {}}
+                              "paths": {}, "compile": {}, "cuda graphs": {}}
     def save() -> None:  # after every check, so a run cut off by its time limit keeps what it measured
         if args.out:
             with open(args.out, "w") as f:
@@ -200,6 +236,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for name in args.only if args.compile_only is None else args.compile_only:
             report["compile"][name] = _guarded(lambda: check_compile(name, args.tiny, args.device, args.compile_backend))
             print(name, "compile:", json.dumps(report["compile"][name]), flush=True)
+            save()
+            report["cuda graphs"][name] = _guarded(lambda: check_cuda_graphs(name, args.tiny, args.device))
+            print(name, "cuda graphs:", json.dumps(report["cuda graphs"][name]), flush=True)
             save()
     print(markdown(report))
     save()

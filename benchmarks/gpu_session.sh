@@ -7,7 +7,8 @@
 #   bash benchmarks/gpu_session.sh bench [BUDGET]   # device call 2 (BUDGET s + about 1 min; default 480)
 #
 # Both install the wheels, then write to $OUT (or /tmp/vtdense-gpu) env.txt (nvidia-smi, versions) and:
-#   check: gpu_check.json / .log   attention paths vs math (fp32 1e-5, bf16) and Swin-T dynamic compile
+#   check: gpu_check.json / .log   attention paths vs math (fp32 1e-5, bf16), Swin-T dynamic compile (one graph)
+#                                  and Swin-T CUDA graphs replayed after the size caches were emptied
 #          attention_kernels.log   the kernel each attention call runs in bf16, from the profiler
 #   bench: results-cuda.json, RESULTS.md, bench.log   `benchmarks/run.py --device cuda --full` within BUDGET s
 # Each step's failure is logged and the next step still runs; the exit status is the first failure's.

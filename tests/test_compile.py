@@ -109,6 +109,33 @@ def test_window_cache_ops_match_their_fake_shapes_and_hand_out_copies() -> None:
         assert not mask.any() if eager is None else mask.data_ptr() != eager.data_ptr()
 
 
+def test_while_a_cuda_graph_records_masks_and_indices_are_built_not_read_from_the_cache(monkeypatch) -> None:  # noqa: ANN001
+    """A CUDA graph replays reads of the addresses it recorded, and a cache entry can be evicted (and
+    its memory reused) before a replay: while recording, the eager functions and the compile ops
+    build fresh tensors of the cached values and leave the caches alone. (Recording itself needs a
+    GPU: ``benchmarks/gpu_check.py`` replays ``mode="reduce-overhead"`` graphs after the caches
+    are emptied; here the recording state is simulated.)"""
+    from vtdense.layers import windows
+
+    cpu = torch.device("cpu")
+    cases = ((14, 14, (7, 7), (3, 3)), (10, 13, (4, 4), (0, 0)), (8, 8, (4, 4), (0, 0)))
+    cached = {c: (windows.window_attention_mask(*c), windows.window_token_index(*c)) for c in cases}
+    sizes = (windows._window_mask_cached.cache_info().currsize, windows._token_index_cached.cache_info().currsize)
+    monkeypatch.setattr(windows, "_capturing", lambda device: True)
+    for c, (mask, (gather, scatter)) in cached.items():
+        H, W, window, shift = c
+        fresh_mask, (g, s) = windows.window_attention_mask(*c), windows.window_token_index(*c)
+        op_mask, (og, os_) = windows._mask_op(H, W, *window, *shift, cpu), windows._index_op(H, W, *window, *shift, cpu)
+        assert (fresh_mask is None) == (mask is None)
+        expected_op_mask = mask if mask is not None else torch.zeros_like(op_mask)
+        assert torch.equal(op_mask, expected_op_mask)
+        for new, old in ((fresh_mask, mask), (g, gather), (s, scatter), (og, gather), (os_, scatter)):
+            if old is not None:
+                assert torch.equal(new, old) and new.data_ptr() != old.data_ptr()
+    sizes_after = (windows._window_mask_cached.cache_info().currsize, windows._token_index_cached.cache_info().currsize)
+    assert sizes_after == sizes
+
+
 @pytest.mark.parametrize("version", ["swin_tiny", "swinv2_tiny"])
 def test_compiled_cpu_inference_calls_the_eager_kernels(version: str) -> None:
     """Compiled float32 CPU inference calls the kernels eager inference runs (oneDNN linear layers,

@@ -11,7 +11,7 @@ tokens are masked out as keys, so they never change the result for real tokens.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -170,16 +170,32 @@ def _no_mask(H: int, W: int, window: tuple[int, int], device: torch.device) -> T
     return torch.zeros(n, window[0] * window[1], window[0] * window[1], dtype=torch.bool, device=device)
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being recorded (``torch.cuda.graph``, or ``torch.compile`` with
+    ``mode="reduce-overhead"``). Its replays rerun the recorded kernels on the same addresses, so
+    what they read must live as long as the graph: a cache entry would not (it can be evicted, and
+    its memory reused, before a replay). While recording, masks and indices are built from the
+    sizes instead, in the graph's own memory (a few small kernels, replayed with the graph)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _fetch(cached: Callable[..., Any], *args: Any) -> Any:
+    """``cached(*args)``, or the uncached builder behind it while a CUDA graph records."""
+    return cached.__wrapped__(*args) if _capturing(args[-1]) else cached(*args)
+
+
 # Under torch.compile the cached index and mask are fetched by two custom ops: opaque to Dynamo
 # (which would otherwise trace the caches and specialise on the sizes) and to Inductor (which,
 # fusing the index arithmetic into the gathers, fails on symbolic sizes), yet inside the graph, so
 # a backbone compiles to one graph with no break (``fullgraph=True``). Their size arguments are
-# symbolic: a new input size runs the same graph. Each returns a copy, as a graph may reuse the
-# memory of an op's output once it is dead, and the cache must not see that.
+# symbolic: a new input size runs the same graph. Each returns a copy of a cache entry, as a graph
+# may reuse the memory of an op's output once it is dead, and the cache must not see that.
 @torch.library.custom_op("vtdense::window_attention_mask", mutates_args=())
 def _mask_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> Tensor:
-    mask = _window_mask_cached(H, W, (wh, ww), (sh, sw), device)
-    return (mask if mask is not None else _no_mask(H, W, (wh, ww), device)).clone()
+    mask = _fetch(_window_mask_cached, H, W, (wh, ww), (sh, sw), device)
+    if mask is None:
+        mask = _fetch(_no_mask, H, W, (wh, ww), device)
+    return mask if _capturing(device) else mask.clone()  # built for this call while recording
 
 
 @_mask_op.register_fake
@@ -190,8 +206,8 @@ def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
 
 @torch.library.custom_op("vtdense::window_token_index", mutates_args=())
 def _index_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    gather, scatter = _token_index_cached(H, W, (wh, ww), (sh, sw), device)
-    return gather.clone(), scatter.clone()
+    gather, scatter = _fetch(_token_index_cached, H, W, (wh, ww), (sh, sw), device)
+    return (gather, scatter) if _capturing(device) else (gather.clone(), scatter.clone())
 
 
 @_index_op.register_fake
@@ -209,7 +225,8 @@ def window_attention_mask(
 
     Blocks attention across shift regions (SW-MSA) and to padded keys; callers turn it into the
     additive term with ``torch.where(mask, MASK_VALUE, bias)``. ``None`` when nothing needs
-    masking. Cached per (H, W, window, shift, device): built once per feature-map size.
+    masking. Cached per (H, W, window, shift, device): built once per feature-map size (but
+    built anew while a CUDA graph records, so that no replay reads an evicted cache entry).
 
     Under ``torch.compile`` the cached mask is fetched by the custom op
     ``vtdense::window_attention_mask`` (symbolic sizes, no graph break: Dynamo neither traces the
@@ -221,7 +238,7 @@ def window_attention_mask(
         return _window_mask_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
     if torch.compiler.is_compiling():
         return _mask_op(H, W, *window, *shift, torch.device(device))
-    return _window_mask_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
+    return _fetch(_window_mask_cached, int(H), int(W), tuple(window), tuple(shift), torch.device(device))
 
 
 def window_token_index(
@@ -244,7 +261,7 @@ def window_token_index(
         return _token_index_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
     if torch.compiler.is_compiling():
         return _index_op(H, W, *window, *shift, torch.device(device))
-    return _token_index_cached(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
+    return _fetch(_token_index_cached, int(H), int(W), tuple(window), tuple(shift), torch.device(device))
 
 
 def select_tokens(x: Tensor, index: Tensor) -> Tensor:
