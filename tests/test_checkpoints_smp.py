@@ -47,6 +47,23 @@ def test_declared_flags() -> None:
                     assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (name, size)
 
 
+@pytest.mark.parametrize("arch", ["fpn", "upernet"])
+def test_whole_smp_segmentor_compiles_to_one_graph(arch: str) -> None:
+    """Not only the encoder: an SMP model around a vtdense encoder compiles whole, with
+    ``fullgraph=True`` and ``dynamic=True``, and gives eager's logits at sizes of both aspects."""
+    from vtdense.models.segmentation import build_segmentor
+
+    torch.manual_seed(0)
+    model = build_segmentor(arch, "swin_tiny", 3, backbone_kwargs=TINY["swin_tiny"]).eval()
+    torch.compiler.reset()
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
+    with torch.no_grad():
+        for size in ((128, 160), (160, 96)):
+            x = torch.randn(1, 3, *size)
+            got, expected = compiled(x), model(x)
+            assert got.shape == (1, 3, *size) and torch.allclose(got, expected, atol=1e-5), size
+
+
 @pytest.mark.slow
 def test_swinv2_small_window_path_exports() -> None:
     """Strict export of the Swin V2 encoder where windows shrink (the Log-CPB coordinates of the
