@@ -87,6 +87,30 @@ def test_compiled_training_is_one_graph_with_stochastic_depth(name: str) -> None
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
 
 
+@pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny", "mvitv2_tiny-windows"])
+def test_compiled_training_with_grad_checkpointing_is_one_graph(name: str) -> None:
+    """``grad_checkpointing=True`` under ``torch.compile(dynamic=True, fullgraph=True)``: Dynamo traces
+    every checkpointed block as its own region. A module-level float read inside them (the mask
+    value, Swin V2's logit-scale cap) became a graph input that Dynamo could not lift into the
+    second region ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer").
+    One graph, eager's gradients, no recompilation over three sizes."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = vtdense.create_backbone(name.split("-")[0], **FAMILIES[name], grad_checkpointing=True).train()
+    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")
+    for size in FIRST + MORE[:1]:
+        x = torch.randn(2, 3, *size)
+        grads = []
+        for m in (compiled, model):
+            model.zero_grad()
+            sum(f.square().mean() for f in m(x).values()).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
+
+
 def test_window_cache_ops_match_their_fake_shapes_and_hand_out_copies() -> None:
     """The custom ops that fetch the cached mask / indices inside graphs: their fake (symbolic-size)
     implementations agree with the real ones (``torch.library.opcheck``), their values are the
@@ -94,6 +118,7 @@ def test_window_cache_ops_match_their_fake_shapes_and_hand_out_copies() -> None:
     write into the cache."""
     from vtdense.layers import windows
 
+    assert windows.mask_value() == windows.MASK_VALUE  # the graph-safe literal and the public constant agree
     cpu = torch.device("cpu")
     for H, W, window, shift in ((14, 14, (7, 7), (3, 3)), (10, 13, (4, 4), (0, 0)), (8, 8, (4, 4), (0, 0))):
         args = (H, W, *window, *shift, cpu)

@@ -67,7 +67,7 @@ from vtdense.layers.position import (
     decomposed_rel_pos_fold,
     sum_rel_pos_factors,
 )
-from vtdense.layers.windows import MASK_VALUE, pad_to_window, window_attention_mask, window_partition, window_reverse
+from vtdense.layers.windows import mask_value, pad_to_window, window_attention_mask, window_partition, window_reverse
 
 __all__ = ["MultiScaleAttention", "MultiScaleBlock", "MViTv2Stage", "MViTv2"]
 
@@ -266,8 +266,8 @@ class MultiScaleAttention(nn.Module):
                 # them in the two factors of the bias (a blocked key gets -1e4 or -2e4 added, zero
                 # weight after the softmax either way), instead of a pass over the whole term.
                 blocked = mask.view(-1, *k_win)  # nW, kh, kw
-                key_terms = (MASK_VALUE * blocked.all(2).view(-1, 1, 1, 1, k_win[0]),
-                             MASK_VALUE * blocked.all(1).view(-1, 1, 1, 1, k_win[1]))
+                key_terms = (mask_value() * blocked.all(2).view(-1, 1, 1, 1, k_win[0]),
+                             mask_value() * blocked.all(1).view(-1, 1, 1, 1, k_win[1]))
             # (sizes read only outside graphs: under compile they would become guards)
             if chunking_applies(x, self) and qs.numel() // d * ks.shape[3] * qs.element_size() > chunked.CHUNK_BYTES:
                 out = self._attend_chunked(qs, ks, vs, q_win, k_win, grid, key_terms)

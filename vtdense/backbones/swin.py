@@ -39,7 +39,7 @@ from vtdense.layers.mlp import Mlp, norm_linear
 from vtdense.layers.plain import plain_layer_norm, plain_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
 from vtdense.layers.windows import (
-    MASK_VALUE,
+    mask_value,
     effective_window,
     select_tokens,
     to_2tuple,
@@ -49,7 +49,11 @@ from vtdense.layers.windows import (
 
 __all__ = ["WindowAttention", "SwinBlock", "PatchMerging", "SwinTransformer"]
 
-_LOGIT_SCALE_MAX = math.log(100.0)
+
+def _logit_scale_max() -> float:
+    # a literal inside graphs: a module-level float becomes a graph input under
+    # torch.compile(dynamic=True), which breaks checkpointed blocks (see windows.mask_value)
+    return math.log(100.0)
 
 
 class WindowAttention(nn.Module):
@@ -168,9 +172,9 @@ class WindowAttention(nn.Module):
         if device.type != "cpu" and n % 16:
             # Build the term in a row-padded buffer (see _pad_rows): one pass, aligned for SDPA.
             pad = -n % 16
-            full = torch.where(F.pad(mask, (0, pad), value=True)[:, None], MASK_VALUE, F.pad(bias, (0, pad)))
+            full = torch.where(F.pad(mask, (0, pad), value=True)[:, None], mask_value(), F.pad(bias, (0, pad)))
             return full[..., :n]
-        return torch.where(mask[:, None], MASK_VALUE, bias)
+        return torch.where(mask[:, None], mask_value(), bias)
 
     def forward(
         self, x: Tensor, window: tuple[int, int], mask: Tensor | None = None, norm: nn.Module | None = None,
@@ -212,7 +216,7 @@ class WindowAttention(nn.Module):
             # Scaled cosine attention, fused: one pass scales q by logit_scale / |q| and k by 1 / |k|.
             qk = qkv[:, :, :, :2]
             inv = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
-            scale = torch.clamp(self.logit_scale, max=_LOGIT_SCALE_MAX).exp().view(1, h, 1)
+            scale = torch.clamp(self.logit_scale, max=_logit_scale_max()).exp().view(1, h, 1)
             qk = qk * (inv * torch.cat((scale, torch.ones_like(scale))).to(inv.dtype))
             if own_backward:
                 out = qkv_window_attention(qk, term, 1.0, v=qkv[:, :, :, 2])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vtdense.layers.chunked import tracing
-from vtdense.layers.windows import MASK_VALUE
+from vtdense.layers.windows import mask_value
 
 __all__ = [
     "relative_position_index",
@@ -301,7 +301,7 @@ def decomposed_rel_pos_fold(
     q_parts = [q * scale, bias_h.reshape(*lead, nq, kh), bias_w.reshape(*lead, nq, kw)]
     k_parts = [k, _key_one_hot(int(kh), int(kw), k.device).to(k.dtype).expand(*k.shape[:-1], kh + kw)]
     if key_mask is not None:
-        q_parts.append(q.new_full((*lead, nq, 1), MASK_VALUE))
+        q_parts.append(q.new_full((*lead, nq, 1), mask_value()))
         k_parts.append(key_mask.to(k.dtype).expand(k.shape[:-1]).unsqueeze(-1))
     pad = -sum(t.shape[-1] for t in q_parts) % align
     if pad:

@@ -21,6 +21,7 @@ from vtdense.layers.chunked import tracing
 
 __all__ = [
     "MASK_VALUE",
+    "mask_value",
     "to_2tuple",
     "effective_window",
     "pad_to_window",
@@ -34,6 +35,15 @@ __all__ = [
 #: Additive value for masked logits. Finite (a fully masked row of a padded query stays
 #: finite instead of NaN) yet far below any logit, cosine logits included (<= 116).
 MASK_VALUE = -1e4
+
+
+def mask_value() -> float:
+    """:data:`MASK_VALUE`, for code that runs inside graphs: a literal, which Dynamo keeps a
+    constant. Under ``torch.compile(dynamic=True)`` a module-level float becomes a graph input,
+    and Dynamo then fails on the second ``torch.utils.checkpoint`` region that reads it
+    ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer"), which broke
+    compiled training with ``grad_checkpointing=True``."""
+    return -1e4
 
 
 def to_2tuple(v: int | Sequence[int], name: str = "value") -> tuple[int, int]:
