@@ -274,6 +274,23 @@ def test_compile_backbone_compiles_the_backbone_part_in_place_and_trains_like_ea
     assert is_compiled(seg.segmentation_head) is None
 
 
+def test_compile_backbone_refuses_the_eager_backend_for_random_checkpointed_blocks() -> None:
+    """With the ``eager`` backend, torch recomputes checkpointed blocks with new random draws (drop
+    path), so gradients differ from eager (measured: relative error about 1); ``aot_eager`` and
+    Inductor restore the random state (1.6e-7). ``compile_backbone`` refuses that combination
+    before anything runs, and accepts it with the other backends or without checkpointing."""
+    from vtdense.models.compile import compile_backbone, is_compiled
+
+    kwargs = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.2)
+    risky = vtdense.create_backbone("swin_tiny", grad_checkpointing=True, **kwargs)
+    with pytest.raises(ValueError, match="backend 'eager' cannot compile a backbone that recomputes random blocks"):
+        compile_backbone(risky, "eager")
+    assert is_compiled(risky) is None
+    assert compile_backbone(risky, "aot_eager") is risky and is_compiled(risky) == "aot_eager"
+    plain = vtdense.create_backbone("swin_tiny", **kwargs)  # no checkpointing: nothing is recomputed
+    assert compile_backbone(plain, "eager") is plain and is_compiled(plain) == "eager"
+
+
 def test_compile_backbone_option_is_checked_before_the_run() -> None:
     from vtdense.models.compile import backbone_module, check_compile_option, is_compiled
     from vtdense.tasks.detection import DetectionTask

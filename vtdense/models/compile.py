@@ -21,6 +21,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from vtdense.layers.drop import DropPath
+
 __all__ = ["check_compile_option", "compile_backbone", "backbone_module", "is_compiled"]
 
 
@@ -105,12 +107,27 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
     part = backbone_module(model)
     if name is None:
         return part
+    if name == "eager" and _random_in_checkpointed_blocks(part):
+        raise ValueError(
+            "backend 'eager' cannot compile a backbone that recomputes random blocks (grad_checkpointing with "
+            "drop_path_rate or dropout > 0): torch's eager backend redraws their randomness in the backward "
+            "recompute, so gradients would be wrong; use 'aot_eager' or 'inductor' (both measured equal to eager), "
+            "or turn grad_checkpointing off"
+        )
     kwargs.setdefault("dynamic", True)
     part.compile(backend=name, **kwargs)
     if name == "eager":
         part._compiled_call_impl = _without_ddp_graph_split(part._compiled_call_impl)
     part._vtdense_compiled = name  # what is_compiled reports
     return part
+
+
+def _random_in_checkpointed_blocks(part: nn.Module) -> bool:
+    """Whether ``part`` recomputes blocks in the backward (``grad_checkpointing``) that draw random
+    numbers (drop path or dropout with ``p > 0``)."""
+    modules = list(part.modules())
+    checkpointed = any(getattr(m, "grad_checkpointing", False) is True for m in modules)
+    return checkpointed and any(isinstance(m, (DropPath, nn.Dropout)) and m.p > 0 for m in modules)
 
 
 def _without_ddp_graph_split(compiled: Callable[..., Any]) -> Callable[..., Any]:
