@@ -124,8 +124,14 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
 
 def _random_in_checkpointed_blocks(part: nn.Module) -> bool:
     """Whether ``part`` recomputes blocks in the backward (``grad_checkpointing``) that draw random
-    numbers (drop path or dropout with ``p > 0``)."""
+    numbers (drop path or dropout with ``p > 0``). FSDP2-sharded blocks are not counted: the
+    2-process FSDP test (activation checkpointing, drop path, ``eager`` backend) trains to eager
+    DDP's weights, while an unsharded backbone measured wrong gradients."""
+    from torch.distributed.fsdp import FSDPModule
+
     modules = list(part.modules())
+    if any(isinstance(m, FSDPModule) for m in modules):
+        return False
     checkpointed = any(getattr(m, "grad_checkpointing", False) is True for m in modules)
     return checkpointed and any(isinstance(m, (DropPath, nn.Dropout)) and m.p > 0 for m in modules)
 
