@@ -39,8 +39,8 @@ from vtdense.layers.mlp import Mlp, norm_linear
 from vtdense.layers.plain import plain_layer_norm, plain_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
 from vtdense.layers.windows import (
-    mask_value,
     effective_window,
+    mask_value,
     select_tokens,
     to_2tuple,
     window_attention_mask,

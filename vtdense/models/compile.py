@@ -127,9 +127,11 @@ def _random_in_checkpointed_blocks(part: nn.Module) -> bool:
     numbers (drop path or dropout with ``p > 0``). FSDP2-sharded blocks are not counted: the
     2-process FSDP test (activation checkpointing, drop path, ``eager`` backend) trains to eager
     DDP's weights, while an unsharded backbone measured wrong gradients."""
-    from torch.distributed.fsdp import FSDPModule
-
     modules = list(part.modules())
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed support: nothing can be sharded
+        FSDPModule = ()  # noqa: N806
     if any(isinstance(m, FSDPModule) for m in modules):
         return False
     checkpointed = any(getattr(m, "grad_checkpointing", False) is True for m in modules)
