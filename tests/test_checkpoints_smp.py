@@ -27,6 +27,15 @@ def test_torchscript_is_refused_with_a_clear_runtime_error(name: str) -> None:
         torch.jit.script(encoder)
 
 
+def _compiled_and_eager(module: torch.nn.Module, sizes: tuple) -> list:
+    """SMP's compile check, ``torch.compile(fullgraph=True, dynamic=True)`` (a graph break is an
+    error), run at each ``(H, W)`` of ``sizes``: ``(size, compiled output, eager output)``."""
+    torch.compiler.reset()
+    compiled = torch.compile(module, fullgraph=True, dynamic=True, backend="eager")
+    with torch.no_grad():
+        return [(size, compiled(x), module(x)) for size in sizes for x in [torch.randn(1, 3, *size)]]
+
+
 def test_declared_flags() -> None:
     """Strict ``torch.export`` equals eager for Swin V1, V2 and MViTv2 (measured outside the suite,
     20-90 s each on 2 CPU cores; the slow test below runs one). SMP's own compile check,
@@ -36,15 +45,10 @@ def test_declared_flags() -> None:
     for name in TINY:
         encoder = VtdenseEncoder(name, **TINY[name]).eval()
         assert encoder._is_torch_compilable is True
-        torch.compiler.reset()
-        compiled = torch.compile(encoder, fullgraph=True, dynamic=True, backend="eager")
-        with torch.no_grad():
-            for size in ((64, 64), (96, 160)):
-                x = torch.randn(1, 3, *size)
-                got, expected = compiled(x), encoder(x)
-                assert len(got) == len(expected)
-                for a, b in zip(got, expected):
-                    assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (name, size)
+        for size, got, expected in _compiled_and_eager(encoder, ((64, 64), (96, 160))):
+            assert len(got) == len(expected)
+            for a, b in zip(got, expected):
+                assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (name, size)
 
 
 @pytest.mark.parametrize("arch", ["fpn", "upernet"])
@@ -55,13 +59,8 @@ def test_whole_smp_segmentor_compiles_to_one_graph(arch: str) -> None:
 
     torch.manual_seed(0)
     model = build_segmentor(arch, "swin_tiny", 3, backbone_kwargs=TINY["swin_tiny"]).eval()
-    torch.compiler.reset()
-    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager")
-    with torch.no_grad():
-        for size in ((128, 160), (160, 96)):
-            x = torch.randn(1, 3, *size)
-            got, expected = compiled(x), model(x)
-            assert got.shape == (1, 3, *size) and torch.allclose(got, expected, atol=1e-5), size
+    for size, got, expected in _compiled_and_eager(model, ((128, 160), (160, 96))):
+        assert got.shape == (1, 3, *size) and torch.allclose(got, expected, atol=1e-5), size
 
 
 @pytest.mark.slow

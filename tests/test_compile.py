@@ -61,20 +61,16 @@ def test_dynamic_compile_does_not_recompile_at_new_sizes(name: str) -> None:
     assert _graphs() == after_two, f"recompiled: graphs/frames {after_two} -> {_graphs()}"
 
 
-@pytest.mark.parametrize("name", ["swin_tiny", "mvitv2_tiny-windows"])
-def test_compiled_training_is_one_graph_with_stochastic_depth(name: str) -> None:
-    """Training-mode compile (what ``compile_backbone`` does for a run) with drop-path rates that
-    differ per block: one graph for the whole backbone at every size, and the losses and gradients
-    of eager. (A graph break inside the blocks made Dynamo share one resume function between all
-    blocks and guard on each block's rate: it recompiled per block, hit its recompile limit and
-    ran the rest eagerly.)"""
+def _assert_compiled_training_is_one_graph_like_eager(name: str, sizes: list, **overrides: object) -> None:
+    """Train-mode ``torch.compile(dynamic=True, fullgraph=True)`` of ``FAMILIES[name]`` (with
+    ``overrides``): one Dynamo graph over all ``sizes``, and at each size the parameter gradients
+    of eager from the same random draws."""
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    kwargs = {**FAMILIES[name], "drop_path_rate": 0.3}
-    model = vtdense.create_backbone(name.split("-")[0], **kwargs).train()
+    model = vtdense.create_backbone(name.split("-")[0], **{**FAMILIES[name], **overrides}).train()
     compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")
-    for i, size in enumerate(FIRST + MORE[:2]):
+    for i, size in enumerate(sizes):
         x = torch.randn(2, 3, *size)
         grads = []
         for m in (compiled, model):
@@ -87,6 +83,16 @@ def test_compiled_training_is_one_graph_with_stochastic_depth(name: str) -> None
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
 
 
+@pytest.mark.parametrize("name", ["swin_tiny", "mvitv2_tiny-windows"])
+def test_compiled_training_is_one_graph_with_stochastic_depth(name: str) -> None:
+    """Training-mode compile (what ``compile_backbone`` does for a run) with drop-path rates that
+    differ per block: one graph for the whole backbone at every size, and the losses and gradients
+    of eager. (A graph break inside the blocks made Dynamo share one resume function between all
+    blocks and guard on each block's rate: it recompiled per block, hit its recompile limit and
+    ran the rest eagerly.)"""
+    _assert_compiled_training_is_one_graph_like_eager(name, FIRST + MORE[:2], drop_path_rate=0.3)
+
+
 @pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny", "mvitv2_tiny-windows"])
 def test_compiled_training_with_grad_checkpointing_is_one_graph(name: str) -> None:
     """``grad_checkpointing=True`` under ``torch.compile(dynamic=True, fullgraph=True)``: Dynamo traces
@@ -94,21 +100,7 @@ def test_compiled_training_with_grad_checkpointing_is_one_graph(name: str) -> No
     value, Swin V2's logit-scale cap) became a graph input that Dynamo could not lift into the
     second region ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer").
     One graph, eager's gradients, no recompilation over three sizes."""
-    torch._dynamo.reset()
-    counters.clear()
-    torch.manual_seed(0)
-    model = vtdense.create_backbone(name.split("-")[0], **FAMILIES[name], grad_checkpointing=True).train()
-    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")
-    for size in FIRST + MORE[:1]:
-        x = torch.randn(2, 3, *size)
-        grads = []
-        for m in (compiled, model):
-            model.zero_grad()
-            sum(f.square().mean() for f in m(x).values()).backward()
-            grads.append([p.grad.clone() for p in model.parameters()])
-        for a, b in zip(*grads):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
+    _assert_compiled_training_is_one_graph_like_eager(name, FIRST + MORE[:1], grad_checkpointing=True)
 
 
 def test_window_cache_ops_match_their_fake_shapes_and_hand_out_copies() -> None:
