@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vtdense.layers.chunked import functorch_transform, tracing
+from vtdense.layers.chunked import functorch_transform, tracing, window_slices
 
 __all__ = ["attention", "set_attention_backend", "attention_backend", "get_attention_backend", "flex_available"]
 
@@ -155,17 +155,26 @@ def _attention_image_by_image(q: Tensor, k: Tensor, v: Tensor, term: Tensor, sca
         term = term.expand(nW, h, nq, nk)
     plain = not torch.is_autocast_enabled("cpu") and q.dtype == k.dtype == v.dtype == term.dtype
     term3 = term.reshape(nW * h, nq, nk) if plain else None
-    out = None
-    with torch.profiler.record_function(BMM_LABEL) if plain else contextlib.nullcontext():
+    if not plain:
+        out = None
         for i in range(B):
-            if plain:
-                logits = torch.baddbmm(term3, q[i].reshape(-1, nq, d), k[i].reshape(-1, nk, d).transpose(1, 2), alpha=scale)
-                o = torch.bmm(logits.softmax(-1), v[i].reshape(-1, nk, dv)).view(nW, h, nq, dv)
-            else:
-                o = F.scaled_dot_product_attention(q[i], k[i], v[i], attn_mask=term, scale=scale)
+            o = F.scaled_dot_product_attention(q[i], k[i], v[i], attn_mask=term, scale=scale)
             if out is None:
-                out = o.new_empty(B, nW, nq, h, dv)
+                out = o.new_empty(B, nW, nq, h, dv)  # autocast's dtype
             out[i].copy_(o.transpose(1, 2))
+        return out.transpose(2, 3)
+    out = q.new_empty(B, nW, nq, h, dv)
+    # runs of windows whose q, k, v copies and logits stay in cache (one run when the image fits)
+    per_window = h * (nq * d + nk * (d + dv) + nq * nk) * q.element_size()
+    runs = [w for _, w in window_slices(1, nW, nq, max(per_window // nq, 1))]
+    with torch.profiler.record_function(BMM_LABEL):
+        for i in range(B):
+            for w in runs:
+                n = w.stop - w.start
+                logits = torch.baddbmm(term3[w.start * h:w.stop * h], q[i, w].reshape(-1, nq, d),
+                                       k[i, w].reshape(-1, nk, d).transpose(1, 2), alpha=scale)
+                o = torch.bmm(logits.softmax(-1), v[i, w].reshape(-1, nk, dv)).view(n, h, nq, dv)
+                out[i, w].copy_(o.transpose(1, 2))
     return out.transpose(2, 3)
 
 

@@ -62,8 +62,14 @@ def to_2tuple(v: int | Sequence[int], name: str = "value") -> tuple[int, int]:
 def effective_window(
     size: tuple[int, int], window: tuple[int, int], shift: tuple[int, int]
 ) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Per axis: a map no larger than the window gets a window of the map's size and no shift."""
-    win = tuple(min(s, w) for s, w in zip(size, window))
+    """Per axis: a map no larger than the window gets a window of the map's size and no shift.
+
+    Written as the same comparison the shift needs (not ``min``): under ``torch.compile`` with
+    symbolic sizes, ``min`` keeps the window symbolic (``sym_min``) and every kernel built on it
+    loses its static shape (a scalar loop with integer division per element); the comparison is a
+    guard the shift already takes, so the window of a map larger than it stays a constant.
+    """
+    win = tuple(w if s > w else s for s, w in zip(size, window))
     sh = tuple(0 if s <= w else sf for s, w, sf in zip(size, window, shift))
     return win, sh  # type: ignore[return-value]
 
