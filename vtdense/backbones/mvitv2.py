@@ -67,7 +67,14 @@ from vtdense.layers.position import (
     decomposed_rel_pos_fold,
     sum_rel_pos_factors,
 )
-from vtdense.layers.windows import mask_value, pad_to_window, window_attention_mask, window_partition, window_reverse
+from vtdense.layers.windows import (
+    effective_window,
+    mask_value,
+    pad_to_window,
+    window_attention_mask,
+    window_partition,
+    window_reverse,
+)
 
 __all__ = ["MultiScaleAttention", "MultiScaleBlock", "MViTv2Stage", "MViTv2"]
 
@@ -227,8 +234,9 @@ class MultiScaleAttention(nn.Module):
             qw, kw = self.window // self.stride_q, self.window // self.stride_kv
             # Clipping a window to a smaller map leaves one window along that axis and needs no
             # padding; the map covers the window's top-left block either way.
-            q_win = (min(qw, Hq), min(qw, Wq))
-            k_win = (min(kw, Hk), min(kw, Wk))
+            # (effective_window, not min: under torch.compile the window of a map larger than it stays a constant)
+            q_win = effective_window((Hq, Wq), (qw, qw), (0, 0))[0]
+            k_win = effective_window((Hk, Wk), (kw, kw), (0, 0))[0]
             grid = ((qw, qw), (kw, kw))
             qp = pad_to_window(q.flatten(3), q_win)
             Hqp, Wqp = qp.shape[1:3]
