@@ -153,11 +153,11 @@ def check_cuda_graphs(name: str, tiny: bool, device: str) -> dict[str, Any]:
     at three sizes, each run until its graph is recorded; then vtdense's window mask / index caches
     are emptied and new tensors are allocated over the memory they held, and each size's graph is
     replayed: max abs difference to eager (a replay that read a freed cache entry would differ).
+    The same for ``torch.cuda.graph`` recording the eager model at the last size, with every
+    table cache (position indices and biases too) emptied before the replay.
     Always the tiny config and sizes: what is checked is the caches' lifetime, and a full model
     would spend minutes of the device call compiling. ``tiny`` is accepted for a uniform call."""
     import torch._dynamo
-
-    from vtdense.layers import windows
 
     if not device.startswith("cuda"):
         return {"skipped": "CUDA graphs need a GPU"}
@@ -173,15 +173,56 @@ def check_cuda_graphs(name: str, tiny: bool, device: str) -> dict[str, Any]:
         for x in xs:
             for _ in range(3):  # warm-up, record, replay
                 compiled(x)
-        for cache in (windows._window_mask_cached, windows._token_index_cached, windows._no_mask):
-            cache.cache_clear()
-        junk = [torch.full((1 << 18,), 7, dtype=torch.int64, device=device) for _ in range(64)]  # reuses the freed memory
+        junk = _empty_table_caches(model, device)
         for x in xs:
             got = {k: v.float().clone() for k, v in compiled(x).items()}  # a replay's outputs live until the next one
             expected = model(x)
             diff = max(diff, _max_diff(list(got.values()), [expected[k].float() for k in got]))
         del junk
-    return {"sizes": [list(s) for s in sizes], "max abs diff to eager after the caches were emptied": diff}
+        try:
+            eager_diff: float | str = _eager_cuda_graph_diff(model, xs[-1], device)
+        except Exception as err:  # reported next to the compiled check's result
+            traceback.print_exc()
+            eager_diff = error_line(err, 300)
+    return {"sizes": [list(s) for s in sizes], "max abs diff to eager after the caches were emptied": diff,
+            "torch.cuda.graph of the eager model, replayed after the caches were emptied: max abs diff": eager_diff}
+
+
+def _empty_table_caches(model: torch.nn.Module, device: str) -> list[torch.Tensor]:
+    """Empty every cache of size-dependent tables (window masks and indices, position indices and
+    coordinates, the modules' cached position biases), then allocate over the memory they held; the
+    returned tensors keep that memory taken until they are dropped."""
+    from vtdense.layers import position, windows
+
+    for cache in (windows._window_mask_cached, windows._token_index_cached, windows._no_mask, position._rel_index_cached,
+                  position._log_cpb_coords, position._decomposed_index, position._key_one_hot):
+        cache.cache_clear()
+    for module in model.modules():
+        if isinstance(getattr(module, "_bias_cache", None), dict):
+            module._bias_cache.clear()
+    return [torch.full((1 << 18,), 7, dtype=torch.int64, device=device) for _ in range(64)]
+
+
+def _eager_cuda_graph_diff(model: torch.nn.Module, x: torch.Tensor, device: str) -> float:
+    """Record the eager model's forward with ``torch.cuda.graph`` (after a warm-up on a side
+    stream, as CUDA graphs require), empty the table caches, replay: max abs difference to eager."""
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = model(static_x)
+    junk = _empty_table_caches(model, device)
+    static_x.copy_(x)
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = model(x)
+    del junk
+    return _max_diff([static_out[k].float() for k in expected], [v.float() for v in expected.values()])
 
 
 def _guarded(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -161,13 +161,14 @@ def test_while_a_cuda_graph_records_masks_and_indices_are_built_not_read_from_th
     build fresh tensors of the cached values and leave the caches alone. (Recording itself needs a
     GPU: ``benchmarks/gpu_check.py`` replays ``mode="reduce-overhead"`` graphs after the caches
     are emptied; here the recording state is simulated.)"""
+    from vtdense.layers import tracing as tracing_state
     from vtdense.layers import windows
 
     cpu = torch.device("cpu")
     cases = ((14, 14, (7, 7), (3, 3)), (10, 13, (4, 4), (0, 0)), (8, 8, (4, 4), (0, 0)))
     cached = {c: (windows.window_attention_mask(*c), windows.window_token_index(*c)) for c in cases}
     sizes = (windows._window_mask_cached.cache_info().currsize, windows._token_index_cached.cache_info().currsize)
-    monkeypatch.setattr(windows, "_capturing", lambda device: True)
+    monkeypatch.setattr(tracing_state, "cuda_graph_capturing", lambda device: True)
     for c, (mask, (gather, scatter)) in cached.items():
         H, W, window, shift = c
         fresh_mask, (g, s) = windows.window_attention_mask(*c), windows.window_token_index(*c)
@@ -180,6 +181,39 @@ def test_while_a_cuda_graph_records_masks_and_indices_are_built_not_read_from_th
                 assert torch.equal(new, old) and new.data_ptr() != old.data_ptr()
     sizes_after = (windows._window_mask_cached.cache_info().currsize, windows._token_index_cached.cache_info().currsize)
     assert sizes_after == sizes
+
+
+def test_while_a_cuda_graph_records_position_tables_and_biases_are_built_not_read_from_a_cache(monkeypatch) -> None:  # noqa: ANN001
+    """The same for the other size-dependent tables that eager code (a ``torch.cuda.graph`` of an
+    eager model) reads from caches: Swin's relative-position index, Swin V2's Log-CPB coordinates,
+    the per-module position bias, MViTv2's decomposed index and its one-hot key columns."""
+    from vtdense.layers import position
+    from vtdense.layers import tracing as tracing_state
+
+    table = torch.randn(13, 4)
+    q, k = torch.randn(1, 2, 12, 4), torch.randn(1, 2, 6, 4)
+    calls = {
+        "relative_position_index": (position._rel_index_cached, lambda: position.relative_position_index((4, 4), (4, 4))),
+        "log_cpb_coords": (position._log_cpb_coords, lambda: position.log_cpb_coords((4, 4), (8, 8))),
+        "decomposed index": (position._decomposed_index, lambda: position.rel_pos_lookup(7, 4, table)),
+        "key one-hot": (position._key_one_hot,
+                        lambda: position.decomposed_rel_pos_fold(q, k, table, table, (3, 4), (2, 3), 0.5)[1]),
+    }
+    blocks = [vtdense.create_backbone(v, **TINY).eval().layers[0].blocks[0].attn for v in ("swin_tiny", "swinv2_tiny")]
+    with torch.no_grad():
+        cached = {name: fn() for name, (_, fn) in calls.items()}
+        biases = [b.cached_position_bias((4, 4), torch.float32) for b in blocks]
+        stats = {name: cache.cache_info() for name, (cache, _) in calls.items()}
+        monkeypatch.setattr(tracing_state, "cuda_graph_capturing", lambda device: True)
+        for name, (cache, fn) in calls.items():
+            fresh = fn()
+            assert torch.equal(fresh, cached[name]), name
+            if name != "key one-hot":  # (that one is expanded and concatenated into k')
+                assert fresh.data_ptr() != cached[name].data_ptr(), name
+            assert cache.cache_info() == stats[name], f"{name}: the cache was read while recording"
+        for block, bias in zip(blocks, biases):
+            fresh = block.cached_position_bias((4, 4), torch.float32)
+            assert torch.equal(fresh, bias) and fresh.data_ptr() != bias.data_ptr()
 
 
 @pytest.mark.parametrize("version", ["swin_tiny", "swinv2_tiny"])

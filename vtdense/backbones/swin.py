@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
-from vtdense.layers.chunked import chunking_applies, functorch_transform, tracing, window_slices
+from vtdense.layers.chunked import chunking_applies, functorch_transform, window_slices
+from vtdense.layers.tracing import fresh_tables
 from vtdense.layers.cpu_window_attention import (
     norm_qkv_window_attention,
     qkv_window_attention,
@@ -145,7 +146,8 @@ class WindowAttention(nn.Module):
         the alignment SDPA's memory-efficient kernel reads without a copy."""
         params = self._bias_params()
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-        if grad or tracing():  # never cache traced or functorch-wrapped tensors
+        # never cache traced or functorch-wrapped tensors, nor read the cache while a CUDA graph records
+        if grad or fresh_tables(params[0].device):
             return _pad_rows(self.position_bias(window).to(dtype))
         key = (window, dtype)
         stamp = tuple((p._version, p.data_ptr()) for p in params)

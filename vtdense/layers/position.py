@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vtdense.layers.chunked import tracing
+from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.layers.windows import mask_value
 
 __all__ = [
@@ -51,14 +51,16 @@ def relative_position_index(
 
     ``window`` may be smaller than the ``table_window`` the table was made for (a feature map
     smaller than the window): an offset keeps its entry, so the bias keeps its meaning. Cached per
-    argument set; under ``torch.compile`` built from tensor ops inside the graph instead (Dynamo
-    would trace through the cache and specialise on its arguments).
+    argument set; built anew instead (:func:`~vtdense.layers.tracing.fresh_tables`) inside graphs,
+    from tensor ops (Dynamo would trace through the cache and specialise on its arguments), and
+    while a CUDA graph records.
     """
     if window[0] > table_window[0] or window[1] > table_window[1]:
         raise ValueError(f"window {window} is larger than the position table's window {table_window}")
-    if torch.compiler.is_compiling() or torch.compiler.is_exporting():  # never cache traced tensors
-        return _rel_index(tuple(window), tuple(table_window), torch.device(device))
-    return _rel_index_cached(tuple(window), tuple(table_window), torch.device(device))
+    device = torch.device(device)
+    if fresh_tables(device):  # never cache traced tensors, nor read a cache while a CUDA graph records
+        return _rel_index(tuple(window), tuple(table_window), device)
+    return _rel_index_cached(tuple(window), tuple(table_window), device)
 
 
 def log_spaced_coords(
@@ -90,14 +92,16 @@ def log_cpb_coords(
 
     The coordinates cover ``window`` (a window already shrunk to a small feature map) and are
     normalised by ``pretrained_window`` when it is given (``> 0``), else by ``window`` itself,
-    per axis. Cached per (window, pretrained window, device).
+    per axis. Cached per (window, pretrained window, device), except inside graphs and while a
+    CUDA graph records (:func:`~vtdense.layers.tracing.fresh_tables`).
 
     Returns:
         ``((2h-1)*(2w-1), 2)`` float32 coordinates, row-major over (dy, dx).
     """
     # graphs build them in place (Dynamo would trace through the cache anyway, with a warning)
-    build = _log_cpb_coords.__wrapped__ if tracing() else _log_cpb_coords
-    return build(tuple(window), tuple(pretrained_window), torch.device(device))
+    device = torch.device(device)
+    build = _log_cpb_coords.__wrapped__ if fresh_tables(device) else _log_cpb_coords
+    return build(tuple(window), tuple(pretrained_window), device)
 
 
 def resize_bias_table(table: Tensor, old_window: tuple[int, int], new_window: tuple[int, int]) -> Tensor:
@@ -159,7 +163,7 @@ def rel_pos_lookup(
     if q_size > gq or k_size > gk:
         raise ValueError(f"positions ({q_size}, {k_size}) exceed the lookup grid ({gq}, {gk})")
     table = resize_rel_pos_table(rel_pos, 2 * max(gq, gk) - 1)
-    build = _decomposed_index.__wrapped__ if tracing() else _decomposed_index  # no traced tensors cached
+    build = _decomposed_index.__wrapped__ if fresh_tables(table.device) else _decomposed_index  # no traced tensors cached
     idx = build(int(gq), int(gk), table.device)
     if (q_size, k_size) != (gq, gk):
         idx = idx[:q_size, :k_size]
@@ -299,7 +303,8 @@ def decomposed_rel_pos_fold(
     lead, nq, c = q.shape[:-2], q.shape[-2], q.shape[-1]
     bias_h, bias_w = decomposed_rel_pos_factors(q, rel_pos_h, rel_pos_w, q_size, k_size, grid)
     q_parts = [q * scale, bias_h.reshape(*lead, nq, kh), bias_w.reshape(*lead, nq, kw)]
-    k_parts = [k, _key_one_hot(int(kh), int(kw), k.device).to(k.dtype).expand(*k.shape[:-1], kh + kw)]
+    one_hot = _key_one_hot.__wrapped__ if fresh_tables(k.device) else _key_one_hot
+    k_parts = [k, one_hot(int(kh), int(kw), k.device).to(k.dtype).expand(*k.shape[:-1], kh + kw)]
     if key_mask is not None:
         q_parts.append(q.new_full((*lead, nq, 1), mask_value()))
         k_parts.append(key_mask.to(k.dtype).expand(k.shape[:-1]).unsqueeze(-1))

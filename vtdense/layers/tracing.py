@@ -1,4 +1,4 @@
-"""Whether eager-only shortcuts may run: graph capture and ``torch.func`` transforms.
+"""Whether eager-only shortcuts may run: graph capture, CUDA-graph recording and ``torch.func`` transforms.
 
 The backbones' fast paths (fused autograd functions, chunks, caches, oneDNN matmuls) are eager
 PyTorch. A graph being built (``torch.compile``, ``torch.export``, TorchScript) or a functorch
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-__all__ = ["tracing", "functorch_transform"]
+__all__ = ["tracing", "functorch_transform", "cuda_graph_capturing", "fresh_tables"]
 
 
 def functorch_transform() -> bool:
@@ -33,3 +33,19 @@ def tracing() -> bool:
     shortcuts (fused autograd functions, chunking, caches) must then keep the plain form."""
     return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
             or torch.jit.is_scripting() or functorch_transform())
+
+
+def cuda_graph_capturing(device: torch.device | str) -> bool:
+    """Whether a CUDA graph is being recorded on ``device``'s current stream (``torch.cuda.graph``,
+    or ``torch.compile`` with ``mode="reduce-overhead"``)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def fresh_tables(device: torch.device | str) -> bool:
+    """Whether size-dependent tables (window masks, token and position indices, position biases)
+    must be built for this call instead of read from, or written to, a cache: while a graph is
+    built (:func:`tracing`: a traced tensor must never be cached) and while a CUDA graph records
+    on ``device``. A replay reruns the recorded kernels on the addresses they read, and a cache
+    entry can be evicted, its memory reused, before a replay; a table built while recording lives
+    in the graph's own memory, and its few small kernels are replayed with the graph."""
+    return tracing() or cuda_graph_capturing(device)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vtdense.layers.chunked import tracing
+from vtdense.layers.tracing import fresh_tables, tracing
 
 __all__ = [
     "MASK_VALUE",
@@ -186,18 +186,10 @@ def _no_mask(H: int, W: int, window: tuple[int, int], device: torch.device) -> T
     return torch.zeros(n, window[0] * window[1], window[0] * window[1], dtype=torch.bool, device=device)
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being recorded (``torch.cuda.graph``, or ``torch.compile`` with
-    ``mode="reduce-overhead"``). Its replays rerun the recorded kernels on the same addresses, so
-    what they read must live as long as the graph: a cache entry would not (it can be evicted, and
-    its memory reused, before a replay). While recording, masks and indices are built from the
-    sizes instead, in the graph's own memory (a few small kernels, replayed with the graph)."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _fetch(cached: Callable[..., Any], *args: Any) -> Any:
-    """``cached(*args)``, or the uncached builder behind it while a CUDA graph records."""
-    return cached.__wrapped__(*args) if _capturing(args[-1]) else cached(*args)
+    """``cached(*args)``, or the uncached builder behind it while a CUDA graph records (see
+    :func:`~vtdense.layers.tracing.fresh_tables`)."""
+    return cached.__wrapped__(*args) if fresh_tables(args[-1]) else cached(*args)
 
 
 # Under torch.compile the cached index and mask are fetched by two custom ops: opaque to Dynamo
@@ -211,7 +203,7 @@ def _mask_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.d
     mask = _fetch(_window_mask_cached, H, W, (wh, ww), (sh, sw), device)
     if mask is None:
         mask = _fetch(_no_mask, H, W, (wh, ww), device)
-    return mask if _capturing(device) else mask.clone()  # built for this call while recording
+    return mask if fresh_tables(device) else mask.clone()  # built for this call while recording
 
 
 @_mask_op.register_fake
@@ -223,7 +215,7 @@ def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
 @torch.library.custom_op("vtdense::window_token_index", mutates_args=())
 def _index_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> tuple[Tensor, Tensor]:
     gather, scatter = _fetch(_token_index_cached, H, W, (wh, ww), (sh, sw), device)
-    return (gather, scatter) if _capturing(device) else (gather.clone(), scatter.clone())
+    return (gather, scatter) if fresh_tables(device) else (gather.clone(), scatter.clone())
 
 
 @_index_op.register_fake
