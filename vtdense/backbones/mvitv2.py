@@ -56,17 +56,17 @@ from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers import chunked
-from vtdense.layers.chunked import chunking_applies, row_slices, tracing, window_slices
+from vtdense.layers.chunked import chunking_applies, row_slices, tracing
+from vtdense.layers.decomposed_attention import (
+    compiled_decomposed_attention,
+    compiled_decomposed_attention_applies,
+    decomposed_attention_chunked,
+)
 from vtdense.layers.drop import DropPath
 from vtdense.layers.mlp import Mlp
 from vtdense.layers.cpu_linear import apply_linear, linear, packed_weights
 from vtdense.layers.plain import plain_linear, plain_module
-from vtdense.layers.position import (
-    decomposed_rel_pos_bias,
-    decomposed_rel_pos_factors,
-    decomposed_rel_pos_fold,
-    sum_rel_pos_factors,
-)
+from vtdense.layers.position import decomposed_rel_pos_bias, decomposed_rel_pos_fold
 from vtdense.layers.windows import (
     effective_window,
     mask_value,
@@ -187,32 +187,6 @@ class MultiScaleAttention(nn.Module):
         y = y.permute(0, 2, 3, 1)  # (B, H', W', h*d), a view when the conv kept channels-last
         return norm(y.reshape(B, *y.shape[1:3], h, d))
 
-    def _attend_chunked(self, qs: Tensor, ks: Tensor, vs: Tensor, q_win: tuple[int, int], k_win: tuple[int, int],
-                        grid: tuple | None, key_terms: tuple[Tensor, Tensor] | None) -> Tensor:
-        """CPU inference: attention with the decomposed bias made per chunk of queries (whole
-        images, runs of windows, or bands of query rows inside one window or global map) of about
-        :data:`~vtdense.layers.chunked.CHUNK_BYTES`, instead of one ``(B, nW, heads, Nq, Nk)`` term
-        (59 MiB in a stage-2 block of MViTv2-T at 512x768, 134 MiB in a global one at 1024x1024),
-        which is freshly mapped memory in every block. The same values as the whole-term path: bit for
-        bit over whole windows, to float rounding over bands of query rows (SDPA blocks a band
-        differently). ``qs``: ``(B, nW, heads, Nq, d)``, ``ks``/``vs``:
-        ``(B, nW, heads, Nk, d)``; returns ``(B, nW, heads, Nq, d)``, a view of a ``(B, nW, Nq,
-        heads, d)`` buffer."""
-        B, nW, h, nq, d = qs.shape
-        row_bytes = h * ks.shape[3] * qs.element_size()  # one query's bias, all heads
-        out = qs.new_empty((B, nW, nq, h, d))
-        band = max(1, chunked.CHUNK_BYTES // (q_win[1] * row_bytes))  # query-grid rows per chunk
-        # the two small factors for all queries at once: (B, nW, heads, qh, qw, kh) and (..., kw)
-        f_h, f_w = decomposed_rel_pos_factors(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid, key_terms)
-        for images, wins in window_slices(B, nW, nq, row_bytes):
-            for r0 in range(0, q_win[0], band):
-                rows = slice(r0, min(r0 + band, q_win[0]))
-                toks = slice(rows.start * q_win[1], rows.stop * q_win[1])
-                bias = sum_rel_pos_factors(f_h[images, wins, :, rows], f_w[images, wins, :, rows])
-                part = attention(qs[images, wins, :, toks], ks[images, wins], vs[images, wins], bias)
-                out[images, wins, toks].copy_(part.transpose(2, 3))
-        return out.transpose(2, 3)
-
     def forward(self, x: Tensor) -> Tensor:
         """Attend over ``x`` (``(B, H, W, dim)``), globally or inside windows.
 
@@ -278,7 +252,11 @@ class MultiScaleAttention(nn.Module):
                              mask_value() * blocked.all(1).view(-1, 1, 1, 1, k_win[1]))
             # (sizes read only outside graphs: under compile they would become guards)
             if chunking_applies(x, self) and qs.numel() // d * ks.shape[3] * qs.element_size() > chunked.CHUNK_BYTES:
-                out = self._attend_chunked(qs, ks, vs, q_win, k_win, grid, key_terms)
+                out = decomposed_attention_chunked(qs, ks, vs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid, key_terms)
+            elif compiled_decomposed_attention_applies(qs, ks, vs, self.rel_pos_h):
+                # the eager kernel as one opaque op (see vtdense.layers.decomposed_attention)
+                out = compiled_decomposed_attention(qs, ks, vs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid,
+                                                    key_terms)
             else:
                 bias = decomposed_rel_pos_bias(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid, key_terms)
                 out = attention(qs, ks, vs, bias, dropout=dropout)
