@@ -1,0 +1,151 @@
+"""``torch.compile(backbone, dynamic=True)`` at changing detection sizes, against eager, per family.
+
+For each backbone, one image at each size in turn (as a detector meets multi-scale batches):
+
+- the seconds of the first call at each size (the first size compiles; a later one that takes
+  seconds recompiled), and Dynamo's graph and frame counts after the first two sizes and at the end;
+- then the steady state: eager and compiled, interleaved, ``--repeats`` rounds at every size,
+  medians in ms and ``eager / compiled`` (above 1: compiling pays);
+- the max abs difference of the compiled maps to eager.
+
+Backbones: Swin-T, SwinV2-T (window 8), MViTv2-T with hybrid windows (56, the detection layout)
+and MViTv2-T with global attention. Inductor by default; ``--backend`` picks another. On
+``--device cuda`` both run under bf16 autocast.
+
+Usage::
+
+    python benchmarks/compile_sizes.py                                  # CPU, every family
+    python benchmarks/compile_sizes.py --families swin_t --sizes 512x768 640x800 480x736 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from typing import Any, Callable
+
+import torch
+
+from common import environment, error_line, interleaved_times, median, sync
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "swin_t": ("swin_tiny", {}),
+    "swinv2_t": ("swinv2_tiny", {"window_size": 8}),
+    "mvitv2_t windows": ("mvitv2_tiny", {"window_size": 56}),
+    "mvitv2_t global": ("mvitv2_tiny", {}),
+}
+DEFAULT_SIZES = ("512x768", "640x800", "480x736", "576x864")
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    """``"512x768"`` -> ``(512, 768)``; anything else is an error naming the value."""
+    try:
+        h, w = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sizes {text!r}: expected HxW, e.g. 512x768") from None
+    if h < 32 or w < 32:
+        raise argparse.ArgumentTypeError(f"--sizes {text!r}: each side must be at least 32 pixels")
+    return h, w
+
+
+def _autocast(device: str) -> contextlib.AbstractContextManager:
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext()
+
+
+def measure(family: str, sizes: list[tuple[int, int]], device: str, repeats: int, backend: str,
+            warmup: int = 1) -> dict[str, Any]:
+    """One family's row: first-call seconds per size, Dynamo's counts, steady-state medians per size."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import vtdense
+
+    name, overrides = FAMILIES[family]
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = vtdense.create_backbone(name, drop_path_rate=0.0, **overrides).to(device).eval()
+    compiled = torch.compile(model, dynamic=True, backend=backend)
+    xs = [torch.randn(1, 3, *size, device=device) for size in sizes]
+    first_call, diff = [], 0.0
+    after_two: tuple[int, int] | None = None
+    with torch.inference_mode(), _autocast(device):
+        for i, x in enumerate(xs):
+            if i == 2:
+                after_two = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+            sync(device)
+            t = time.perf_counter()
+            got = compiled(x)
+            sync(device)
+            first_call.append(round(time.perf_counter() - t, 2))
+            expected = model(x)
+            diff = max(diff, max((got[k].float() - expected[k].float()).abs().max().item() for k in expected))
+        end = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+        steady: dict[str, dict[str, float]] = {}
+        for size, x in zip(sizes, xs):
+            fns: dict[str, Callable[[], object]] = {"eager": lambda x=x: model(x), "compiled": lambda x=x: compiled(x)}
+            times = interleaved_times(fns, device, warmup, repeats)
+            steady["x".join(map(str, size))] = {k: round(median(v), 1) for k, v in times.items()}
+    return {"first call s": first_call, "graphs/frames after two sizes": list(after_two or end),
+            "graphs/frames at the end": list(end), "recompiled": after_two is not None and end != after_two,
+            "steady ms": steady, "max abs diff": diff}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    lines = [f"### `torch.compile(dynamic=True)` at changing sizes: `python benchmarks/compile_sizes.py --device {report['device']}`",
+             "", f"Measured {env.get('date')} on {env.get('gpu', env.get('cpu', report['device']))}; torch "
+             f"{env.get('torch')}, vtdense {env.get('vtdense')}; backend {report['backend']}, batch 1, "
+             f"{report['repeats']} interleaved repeats{', bf16 autocast' if report['device'].startswith('cuda') else ''}.", "",
+             "| backbone | size | first call s | eager ms | compiled ms | eager / compiled |", "|---|---|---|---|---|---|"]
+    for family, row in report["families"].items():
+        if "error" in row:
+            lines.append(f"| {family} | | {row['error']} | | | |")
+            continue
+        for (size, ms), first in zip(row["steady ms"].items(), row["first call s"]):
+            lines.append(f"| {family} | {size} | {first} | {ms['eager']} | {ms['compiled']} | {ms['eager'] / ms['compiled']:.2f} |")
+    lines.append("")
+    for family, row in report["families"].items():
+        if "error" not in row:
+            lines.append(f"- {family}: graphs/frames {row['graphs/frames after two sizes']} after two sizes, "
+                         f"{row['graphs/frames at the end']} at the end (recompiled: {row['recompiled']}); "
+                         f"max abs diff to eager {row['max abs diff']:.1e}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), metavar="FAMILY",
+                   help=f"among {', '.join(FAMILIES)}")
+    p.add_argument("--sizes", nargs="+", type=parse_size, default=[parse_size(s) for s in DEFAULT_SIZES])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--backend", default="inductor")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    p.add_argument("--json", default="", help="also write the report here")
+    args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats {args.repeats}: must be at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU here")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report: dict[str, Any] = {"device": args.device, "backend": args.backend, "repeats": args.repeats,
+                              "environment": environment(args.device), "families": {}}
+    for family in args.families:
+        try:
+            report["families"][family] = measure(family, args.sizes, args.device, args.repeats, args.backend)
+        except Exception as err:  # one family's failure is reported; the others still run
+            report["families"][family] = {"error": error_line(err, 200)}
+        print(family, json.dumps(report["families"][family]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The compile-at-changing-sizes benchmark runs, counts recompilation and compares with eager
+(no timing is asserted: speed is for the benchmark itself)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import compile_sizes  # noqa: E402
+
+
+def test_reports_first_calls_recompilation_and_steady_state(capsys: pytest.CaptureFixture[str]) -> None:
+    # Dynamo's own capture (backend "eager") keeps it within seconds; both sizes share one graph
+    report = compile_sizes.main(["--families", "swin_t", "--sizes", "64x96", "96x64", "--repeats", "1", "--backend", "eager"])
+    row = report["families"]["swin_t"]
+    assert "error" not in row, row
+    assert len(row["first call s"]) == 2 and row["graphs/frames at the end"][0] == 1 and not row["recompiled"]
+    assert list(row["steady ms"]) == ["64x96", "96x64"]
+    assert all(v["eager"] > 0 and v["compiled"] > 0 for v in row["steady ms"].values())
+    assert row["max abs diff"] < 1e-4
+    assert "| swin_t | 96x64 |" in capsys.readouterr().out
+
+
+def test_bad_options_name_the_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        compile_sizes.main(["--sizes", "512"])
+    assert "--sizes '512'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        compile_sizes.main(["--repeats", "0"])
+    assert "--repeats 0" in capsys.readouterr().err
