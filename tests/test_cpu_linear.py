@@ -199,7 +199,7 @@ def test_packed_copies_live_for_one_forward_and_follow_in_place_edits(name: str,
     for k in want:
         _close(edited[k], want[k])
     w = torch.randn(8, 16)
-    x2 = torch.randn(3, 16)
+    x2 = torch.randn(cpu_linear.PACK_MIN_ROWS, 16)  # enough rows for the scope to pack the weight
     with use_cpu_matmul("onednn"):
         with packed_weights():
             a = linear(x2, w)
@@ -305,3 +305,55 @@ def test_auto_keeps_whichever_library_is_faster(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(cpu_linear.F, "linear", slow(plain_linear))
     with use_cpu_matmul("auto"):
         assert cpu_linear.cpu_matmul() == "onednn"
+
+
+def test_a_scope_packs_a_weight_only_for_calls_with_enough_rows() -> None:
+    """Reordering a weight costs about what reading it does: a call with few rows runs oneDNN on the
+    plain weight (faster for it), a call with :data:`PACK_MIN_ROWS` rows packs it, and every later
+    call in the scope, small ones included, reuses that copy. Values are the same either way."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Reorders(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func.overloadpacket is torch.ops.mkldnn._reorder_linear_weight:
+                Reorders.count += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    w, b = torch.randn(64, 32), torch.randn(64)
+    small, large = torch.randn(5, 32), torch.randn(cpu_linear.PACK_MIN_ROWS, 32)
+    with use_cpu_matmul("onednn"), torch.no_grad(), packed_weights():
+        with Reorders():
+            got_small = linear(small, w, b)
+            assert Reorders.count == 0
+            got_large = linear(large, w, b)
+            assert Reorders.count == 1
+            again = linear(small, w, b)
+            assert Reorders.count == 1
+    for got, x in ((got_small, small), (got_large, large), (again, small)):
+        _close(got, torch.nn.functional.linear(x, w, b))
+
+
+@pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny", "mvitv2_tiny"])
+def test_a_backbone_built_under_inference_mode_runs_in_and_out_of_it(name: str) -> None:
+    """Weights made under ``torch.inference_mode`` have no version counter, which the caches of
+    packed weights and of Swin's position bias stamped their entries with ("Inference tensors do not
+    track version counter"). Such a model runs inside inference mode and out of it (no_grad), through
+    the chunked CPU paths with packed weights, with the maps of a model built normally."""
+    torch.manual_seed(0)
+    kw = dict(embed_dim=32, depths=[1, 1, 1, 1], num_heads=1 if name.startswith("mvit") else [1, 2, 4, 8])
+    ref = vtdense.create_backbone(name, **kw).eval()
+    x = torch.randn(2, 3, 128, 128)  # stage 1: 2048 rows, enough to pack weights
+    with use_cpu_matmul("onednn"):
+        with torch.inference_mode():
+            model = vtdense.create_backbone(name, **kw).eval()
+            model.load_state_dict(ref.state_dict())
+            assert next(model.parameters()).is_inference()
+            inside = [model(x), model(x)]
+        with torch.no_grad():
+            outside, want = model(x), ref(x)
+    for got in (*inside, outside):
+        for k in want:
+            _close(got[k], want[k])

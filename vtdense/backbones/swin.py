@@ -146,8 +146,9 @@ class WindowAttention(nn.Module):
         the alignment SDPA's memory-efficient kernel reads without a copy."""
         params = self._bias_params()
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-        # never cache traced or functorch-wrapped tensors, nor read the cache while a CUDA graph records
-        if grad or fresh_tables(params[0].device):
+        # never cache traced or functorch-wrapped tensors, nor read the cache while a CUDA graph records;
+        # nor for weights made under torch.inference_mode: they have no version counter to stamp
+        if grad or fresh_tables(params[0].device) or any(p.is_inference() for p in params):
             return _pad_rows(self.position_bias(window).to(dtype))
         key = (window, dtype)
         stamp = tuple((p._version, p.data_ptr()) for p in params)

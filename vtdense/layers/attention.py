@@ -145,8 +145,11 @@ def _attention_image_by_image(q: Tensor, k: Tensor, v: Tensor, term: Tensor, sca
     One image at a time, so the term is read in place for every image (no copy of it per image,
     and no copy of ``q``, ``k``, ``v`` to fold windows into heads). Without autocast, each image
     is ``softmax(baddbmm(term, q, k^T)) v`` over its ``nW * heads`` small matrices: on the CPU
-    that is 25-30% faster than SDPA's flash kernel at Swin's 49- or 64-token windows, and its
-    logits stay in cache. Under autocast SDPA runs per image. The result is ``(B, nW, heads, N,
+    that is 25-30% faster than SDPA's flash kernel at Swin's 49- or 64-token windows. A large
+    image is attended in runs of windows of about :data:`~vtdense.layers.chunked.CHUNK_BYTES`, so
+    that each run's copies of ``q``, ``k``, ``v`` and its logits stay in cache (the chunked eager
+    blocks pass one run already; a compiled graph passes whole images). Under autocast SDPA runs
+    per image. The result is ``(B, nW, heads, N,
     dv)`` laid out as ``(B, nW, N, heads, dv)``, so merging the heads back into channels is a view.
     """
     B, nW, h, nq, d = q.shape
