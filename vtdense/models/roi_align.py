@@ -31,20 +31,18 @@ from torchvision.ops import MultiScaleRoIAlign
 __all__ = ["roi_align", "MultiScaleRoIAlignFastCPU", "fast_backward_applies"]
 
 
-def _axis(v: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _axis(v: Tensor, n: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Sample coordinates ``v`` along an axis of ``n`` pixels -> (low index, high index, low weight,
-    high weight), by the rules of torchvision's bilinear interpolation: a point more than one pixel
-    outside the map contributes nothing (both weights 0; a point counts only if it is inside along
-    both axes, and the product of the two axes' weights says so), one just outside is clamped to
-    the border."""
-    inside = ((v >= -1.0) & (v <= n)).to(v.dtype)
+    high weight, inside), by the rules of torchvision's bilinear interpolation: a point more than
+    one pixel outside the map contributes nothing, one just outside is clamped to the border."""
+    inside = (v >= -1.0) & (v <= n)
     v = v.clamp_min(0)
     low = v.floor().long()
     last = low >= n - 1
     low = torch.where(last, torch.full_like(low, n - 1), low)
     high = torch.where(last, low, low + 1)
     frac = torch.where(last, torch.zeros_like(v), v - low.to(v.dtype))
-    return low, high, (1 - frac) * inside, frac * inside
+    return low, high, 1 - frac, frac, inside
 
 
 def _bin_weights(rois: Tensor, height: int, width: int, pooled: tuple[int, int], scale: float, ratio: int,
@@ -61,8 +59,8 @@ def _bin_weights(rois: Tensor, height: int, width: int, pooled: tuple[int, int],
     steps = (torch.arange(ratio, dtype=rois.dtype, device=rois.device) + 0.5) / ratio  # within a bin
     ys = y1[:, None, None] + (torch.arange(ph, dtype=rois.dtype)[None, :, None] + steps) * (rh / ph)[:, None, None]
     xs = x1[:, None, None] + (torch.arange(pw, dtype=rois.dtype)[None, :, None] + steps) * (rw / pw)[:, None, None]
-    y_lo, y_hi, wy_lo, wy_hi = _axis(ys, height)  # (R, ph, ratio)
-    x_lo, x_hi, wx_lo, wx_hi = _axis(xs, width)  # (R, pw, ratio)
+    y_lo, y_hi, wy_lo, wy_hi, y_in = _axis(ys, height)  # (R, ph, ratio)
+    x_lo, x_hi, wx_lo, wx_hi, x_in = _axis(xs, width)  # (R, pw, ratio)
 
     def grid(t_y: Tensor, t_x: Tensor) -> tuple[Tensor, Tensor]:  # (R, ph, ratio), (R, pw, ratio): broadcast to (R, ph, pw, ratio, ratio)
         return t_y[:, :, None, :, None], t_x[:, None, :, None, :]
@@ -74,7 +72,8 @@ def _bin_weights(rois: Tensor, height: int, width: int, pooled: tuple[int, int],
             gy, gx = grid(y_i, x_i)
             index.append(base + gy * width + gx)
             wy, wx = grid(w_y, w_x)
-            weight.append(wy * wx)
+            iy, ix = grid(y_in, x_in)
+            weight.append(wy * wx * (iy & ix))
     n = rois.shape[0] * ph * pw
     index_t = torch.stack(index, -1).reshape(n, -1)
     weight_t = (torch.stack(weight, -1) / (ratio * ratio)).reshape(n, -1)
