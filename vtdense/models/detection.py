@@ -27,12 +27,11 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor, TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
-from torchvision.ops import FeaturePyramidNetwork
+from torchvision.ops import FeaturePyramidNetwork, MultiScaleRoIAlign
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool, LastLevelP6P7
 
 from vtdense.backbones.base import Backbone
 from vtdense.layers.cpu_linear import apply_linear
-from vtdense.models.roi_align import MultiScaleRoIAlignFastCPU
 
 __all__ = [
     "HEADS",
@@ -276,8 +275,7 @@ def _rcnn(
         sizes=tuple((s,) for s in sizes), aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes)
     )
     roi_names = neck.fpn_level_names
-    # torchvision's pools, with a faster backward in CPU training steps (see vtdense.models.roi_align)
-    box_pool = MultiScaleRoIAlignFastCPU(featmap_names=roi_names, output_size=7, sampling_ratio=2)
+    box_pool = MultiScaleRoIAlign(featmap_names=roi_names, output_size=7, sampling_ratio=2)
     width = _pick(opts["box_head_width"], "box_head_width", opts["slim"])
     c = neck.out_channels
     kwargs: dict[str, Any] = dict(
@@ -291,7 +289,7 @@ def _rcnn(
     )
     if masks:
         mc = _pick(opts["mask_head_channels"], "mask_head_channels", opts["slim"])
-        kwargs["mask_roi_pool"] = MultiScaleRoIAlignFastCPU(featmap_names=roi_names, output_size=14, sampling_ratio=2)
+        kwargs["mask_roi_pool"] = MultiScaleRoIAlign(featmap_names=roi_names, output_size=14, sampling_ratio=2)
         kwargs["mask_head"] = MaskRCNNHeads(c, [mc] * opts["mask_head_layers"], 1)
         kwargs["mask_predictor"] = MaskRCNNPredictor(mc, mc, num_classes + 1)
     kwargs.update(head_kwargs)
