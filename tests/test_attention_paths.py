@@ -206,17 +206,8 @@ def test_sdpa_under_autocast_takes_a_low_precision_term_without_casting_it() -> 
 def test_cpu_window_attention_in_runs_of_windows_matches_math(per_window: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU inference attends an image's windows in runs that stay in cache; with a small budget an image
     takes several runs (counted), and the result is still the math path's, shared or per-window term."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     import vtdense.layers.chunked as chunked
-
-    class Count(TorchDispatchMode):
-        calls = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            if func.overloadpacket is torch.ops.aten.baddbmm:
-                Count.calls += 1
-            return func(*args, **(kwargs or {}))
+    from tests.op_calls import OpCalls
 
     g = torch.Generator().manual_seed(0)
     B, nW, h, N, d = 2, 45, 3, 16, 8  # MIN_ROWS (256) rows: runs of at least 16 windows
@@ -225,8 +216,7 @@ def test_cpu_window_attention_in_runs_of_windows_matches_math(per_window: bool, 
     expected = _reference(q, k, v, term, 0.3)
     for budget, runs in ((1 << 30, 1), (1, 3)):
         monkeypatch.setattr(chunked, "CHUNK_BYTES", budget)
-        Count.calls = 0
-        with torch.no_grad(), Count():
+        with torch.no_grad(), OpCalls(torch.ops.aten.baddbmm) as calls:
             got = attention(q, k, v, term, scale=0.3, backend="sdpa")
-        assert Count.calls == B * runs
+        assert calls.count == B * runs
         assert (got - expected).abs().max().item() < 1e-5, budget

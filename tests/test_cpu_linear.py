@@ -311,27 +311,19 @@ def test_a_scope_packs_a_weight_only_for_calls_with_enough_rows() -> None:
     """Reordering a weight costs about what reading it does: a call with few rows runs oneDNN on the
     plain weight (faster for it), a call with :data:`PACK_MIN_ROWS` rows packs it, and every later
     call in the scope, small ones included, reuses that copy. Values are the same either way."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Reorders(TorchDispatchMode):
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            if func.overloadpacket is torch.ops.mkldnn._reorder_linear_weight:
-                Reorders.count += 1
-            return func(*args, **(kwargs or {}))
+    from tests.op_calls import OpCalls
 
     torch.manual_seed(0)
     w, b = torch.randn(64, 32), torch.randn(64)
     small, large = torch.randn(5, 32), torch.randn(cpu_linear.PACK_MIN_ROWS, 32)
     with use_cpu_matmul("onednn"), torch.no_grad(), packed_weights():
-        with Reorders():
+        with OpCalls(torch.ops.mkldnn._reorder_linear_weight) as reorders:
             got_small = linear(small, w, b)
-            assert Reorders.count == 0
+            assert reorders.count == 0
             got_large = linear(large, w, b)
-            assert Reorders.count == 1
+            assert reorders.count == 1
             again = linear(small, w, b)
-            assert Reorders.count == 1
+            assert reorders.count == 1
     for got, x in ((got_small, small), (got_large, large), (again, small)):
         _close(got, torch.nn.functional.linear(x, w, b))
 
