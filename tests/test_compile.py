@@ -223,6 +223,24 @@ def test_compiled_cpu_inference_calls_the_eager_kernels(version: str) -> None:
     keeps SDPA (the ops have no backward)."""
     from vtdense.layers.cpu_linear import use_cpu_matmul
 
+    torch.manual_seed(0)
+    model = vtdense.create_backbone(version, **TINY).eval()
+    x = torch.randn(2, 3, 72, 88)
+    with use_cpu_matmul("onednn"):
+        text, got = _graph_text(model, x)
+        with torch.no_grad():
+            expected = model(x)
+        assert "vtdense.window_attention_cpu" in text and "vtdense.onednn_linear" in text
+        assert "scaled_dot_product_attention" not in text
+        for k in got:
+            torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-5)
+        text, _ = _graph_text(model, x, train=True)
+        assert "scaled_dot_product_attention" in text and "window_attention_cpu" not in text
+
+
+def _graph_text(model: torch.nn.Module, x: torch.Tensor, train: bool = False, **options: object) -> tuple[str, dict]:
+    """Compile ``model`` afresh with a backend that records Dynamo's graphs and run it on ``x``, without
+    gradients or (``train``) with a backward pass: (the graphs' text, the outputs)."""
     graphs: list[str] = []
 
     def record(gm, example_inputs):  # noqa: ANN001, ANN202
@@ -230,24 +248,14 @@ def test_compiled_cpu_inference_calls_the_eager_kernels(version: str) -> None:
         return gm.forward
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = vtdense.create_backbone(version, **TINY).eval()
-    x = torch.randn(2, 3, 72, 88)
-    with use_cpu_matmul("onednn"):
-        compiled = torch.compile(model, backend=record)
+    compiled = torch.compile(model, backend=record, **options)
+    if train:
+        out = compiled(x)
+        sum(f.sum() for f in out.values()).backward()
+    else:
         with torch.no_grad():
-            got, expected = compiled(x), model(x)
-        text = "\n".join(graphs)
-        assert "vtdense.window_attention_cpu" in text and "vtdense.onednn_linear" in text
-        assert "scaled_dot_product_attention" not in text
-        for k in got:
-            torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-5)
-        graphs.clear()
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend=record)
-        sum(f.sum() for f in compiled(x).values()).backward()
-        text = "\n".join(graphs)
-        assert "scaled_dot_product_attention" in text and "window_attention_cpu" not in text
+            out = compiled(x)
+    return "\n".join(graphs), out
 
 
 @pytest.mark.parametrize("name", ["mvitv2_tiny", "mvitv2_tiny-windows"])
@@ -258,27 +266,17 @@ def test_compiled_cpu_inference_of_mvitv2_calls_the_eager_attention(name: str) -
     term itself at symbolic sizes, spent 2.2 s of a 2.9 s MViTv2-T forward at 512x768 (eager: 0.86 s)."""
     from vtdense.layers import decomposed_attention
 
-    graphs: list[str] = []
-
-    def record(gm, example_inputs):  # noqa: ANN001, ANN202
-        graphs.append(str(gm.graph))
-        return gm.forward
-
-    torch._dynamo.reset()
     torch.manual_seed(0)
     model = vtdense.create_backbone("mvitv2_tiny", **FAMILIES[name]).eval()
     x = torch.randn(2, 3, 72, 88)
-    compiled = torch.compile(model, backend=record, dynamic=True)
+    text, got = _graph_text(model, x, dynamic=True)
     with torch.no_grad():
-        got, expected = compiled(x), model(x)
-    assert "vtdense.decomposed_attention_cpu" in "\n".join(graphs)
+        expected = model(x)
+    assert "vtdense.decomposed_attention_cpu" in text
     for k in got:
         torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-5)
-    graphs.clear()
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend=record, dynamic=True)
-    sum(f.sum() for f in compiled(x).values()).backward()
-    assert "decomposed_attention_cpu" not in "\n".join(graphs)
+    text, _ = _graph_text(model, x, train=True, dynamic=True)
+    assert "decomposed_attention_cpu" not in text
     # the op's fake (symbolic-size) implementation agrees with the real one, with and without key terms
     g = torch.Generator().manual_seed(0)
     qs, ks, vs = (torch.randn(1, 2, 2, n, 8, generator=g) for n in (12, 6, 6))
