@@ -105,6 +105,33 @@ def interleaved_times(
     return times
 
 
+def compiled_first_calls(compiled: Callable[[torch.Tensor], dict], model: Callable[[torch.Tensor], dict],
+                         xs: list[torch.Tensor], device: str, mark: int) -> dict[str, object]:
+    """Run a freshly compiled backbone once per input in turn, as a detector meets new sizes: the
+    seconds of each call, Dynamo's (graphs, frames) counts before input ``mark`` and at the end, and
+    the max abs difference of the compiled maps to ``model``'s. Runs in the caller's grad/autocast
+    context."""
+    from torch._dynamo.utils import counters
+
+    def counts() -> tuple[int, int]:
+        return counters["stats"]["unique_graphs"], counters["frames"]["total"]
+
+    seconds, diff, before = [], 0.0, None
+    for i, x in enumerate(xs):
+        if i == mark:
+            before = counts()
+        sync(device)
+        t = time.perf_counter()
+        got = compiled(x)
+        sync(device)
+        seconds.append(round(time.perf_counter() - t, 2))
+        expected = model(x)
+        diff = max(diff, max((got[k].float() - expected[k].float()).abs().max().item() for k in expected))
+    end = counts()
+    return {"seconds": seconds, "before mark": before or end, "end": end, "recompiled": before is not None and end != before,
+            "diff": diff}
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

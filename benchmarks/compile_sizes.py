@@ -23,12 +23,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import time
 from typing import Any, Callable
 
 import torch
 
-from common import environment, error_line, interleaved_times, median, sync
+from common import compiled_first_calls, environment, error_line, interleaved_times, median
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "swin_t": ("swin_tiny", {}),
@@ -69,28 +68,16 @@ def measure(family: str, sizes: list[tuple[int, int]], device: str, repeats: int
     model = vtdense.create_backbone(name, drop_path_rate=0.0, **overrides).to(device).eval()
     compiled = torch.compile(model, dynamic=True, backend=backend)
     xs = [torch.randn(1, 3, *size, device=device) for size in sizes]
-    first_call, diff = [], 0.0
-    after_two: tuple[int, int] | None = None
     with torch.inference_mode(), _autocast(device):
-        for i, x in enumerate(xs):
-            if i == 2:
-                after_two = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
-            sync(device)
-            t = time.perf_counter()
-            got = compiled(x)
-            sync(device)
-            first_call.append(round(time.perf_counter() - t, 2))
-            expected = model(x)
-            diff = max(diff, max((got[k].float() - expected[k].float()).abs().max().item() for k in expected))
-        end = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
+        first = compiled_first_calls(compiled, model, xs, device, mark=2)
         steady: dict[str, dict[str, float]] = {}
         for size, x in zip(sizes, xs):
             fns: dict[str, Callable[[], object]] = {"eager": lambda x=x: model(x), "compiled": lambda x=x: compiled(x)}
             times = interleaved_times(fns, device, warmup, repeats)
             steady["x".join(map(str, size))] = {k: round(median(v), 1) for k, v in times.items()}
-    return {"first call s": first_call, "graphs/frames after two sizes": list(after_two or end),
-            "graphs/frames at the end": list(end), "recompiled": after_two is not None and end != after_two,
-            "steady ms": steady, "max abs diff": diff}
+    return {"first call s": first["seconds"], "graphs/frames after two sizes": list(first["before mark"]),
+            "graphs/frames at the end": list(first["end"]), "recompiled": first["recompiled"],
+            "steady ms": steady, "max abs diff": first["diff"]}
 
 
 def markdown(report: dict[str, Any]) -> str:

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 from typing import Any, Callable
 
@@ -38,7 +37,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from common import environment, error_line, randomize_, sync  # noqa: E402
+from common import compiled_first_calls, environment, error_line, randomize_  # noqa: E402
 
 #: name -> (vtdense backbone, overrides); the tiny overrides keep a shifted, padded stage
 FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -128,24 +127,12 @@ def check_compile(name: str, tiny: bool, device: str, backend: str) -> dict[str,
     model = _model(name, tiny, device).eval()
     compiled = torch.compile(model, dynamic=True, fullgraph=True, backend=backend)
     first, more = COMPILE_SIZES[tiny]
-    seconds, diff = [], 0.0
-    after_two: tuple[int, int] | None = None
     with torch.no_grad():
-        for i, size in enumerate(first + more):
-            if i == len(first):
-                after_two = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
-            x = torch.randn(1, 3, *size, device=device)
-            sync(device)
-            t = time.perf_counter()
-            got = compiled(x)
-            sync(device)
-            seconds.append(round(time.perf_counter() - t, 2))
-            expected = model(x)
-            diff = max(diff, _max_diff([got[k].float() for k in expected], [v.float() for v in expected.values()]))
-    end = (counters["stats"]["unique_graphs"], counters["frames"]["total"])
-    return {"backend": backend, "sizes": [list(s) for s in first + more], "seconds per call": seconds,
-            "graphs/frames after two sizes": list(after_two or end), "graphs/frames at the end": list(end),
-            "recompiled": end != after_two, "max abs diff to eager": diff}
+        xs = [torch.randn(1, 3, *size, device=device) for size in first + more]
+        calls = compiled_first_calls(compiled, model, xs, device, mark=len(first))
+    return {"backend": backend, "sizes": [list(s) for s in first + more], "seconds per call": calls["seconds"],
+            "graphs/frames after two sizes": list(calls["before mark"]), "graphs/frames at the end": list(calls["end"]),
+            "recompiled": calls["recompiled"], "max abs diff to eager": calls["diff"]}
 
 
 def check_cuda_graphs(name: str, tiny: bool, device: str) -> dict[str, Any]:
