@@ -55,6 +55,7 @@ from torch import Tensor, nn
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
+from vtdense.layers.autocast import autocast_inputs
 from vtdense.layers import chunked
 from vtdense.layers.chunked import chunking_applies, row_slices, tracing
 from vtdense.layers.decomposed_attention import (
@@ -166,6 +167,7 @@ class MultiScaleAttention(nn.Module):
         if plain_linear(lin):
             c = self.dim_out
             bias = lin.bias.split(c) if lin.bias is not None else (None, None, None)
+            (x,) = autocast_inputs(x)  # under autocast: cast once, not by each of the three products
             return tuple(linear(x, w, b) for w, b in zip(lin.weight.split(c), bias))  # type: ignore[return-value]
         return tuple(t.contiguous() for t in lin(x).chunk(3, dim=-1))  # type: ignore[return-value]
 
@@ -199,6 +201,15 @@ class MultiScaleAttention(nn.Module):
         q = self._pool(q, self.pool_q, self.norm_q)  # (B, Hq, Wq, h, d)
         k = self._pool(k, self.pool_k, self.norm_k)
         v = self._pool(v, self.pool_v, self.norm_v)
+        q_res = q  # the residual pooling's addend keeps the norm's dtype
+        fold = self.rel_pos_fold
+        if fold is None:
+            fold = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or self.rel_pos_h.requires_grad)
+        # Graphs keep the bias: AOTAutograd's backward of the fold fails at dynamic sizes (torch 2.14).
+        fold = fold and not tracing()
+        if not fold:
+            # the bias path's consumers of q, k, v (the term's two products, SDPA) all cast them
+            q, k, v = autocast_inputs(q, k, v)
         Hq, Wq = q.shape[1:3]
         Hk, Wk = k.shape[1:3]
 
@@ -230,11 +241,7 @@ class MultiScaleAttention(nn.Module):
         # (B, nW, N, h*d) -> (B, nW, heads, N, d): windows lead, as the kernel expects (views).
         qs, ks, vs = (t.view(B, nW, t.shape[2], h, d).transpose(2, 3) for t in (qs, ks, vs))
         dropout = self.attn_drop if self.training else 0.0
-        fold = self.rel_pos_fold
-        if fold is None:
-            fold = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or self.rel_pos_h.requires_grad)
-        # Graphs keep the bias: AOTAutograd's backward of the fold fails at dynamic sizes (torch 2.14).
-        if fold and not tracing():
+        if fold:
             key_mask = mask[None] if mask is not None else None  # (1, nW, 1, Nk) over (B, nW, heads, Nk)
             qa, ka = decomposed_rel_pos_fold(qs, ks, self.rel_pos_h, self.rel_pos_w, q_win, k_win, d**-0.5, grid,
                                              key_mask)
@@ -268,7 +275,7 @@ class MultiScaleAttention(nn.Module):
         else:
             out = out.view(B, Hq, Wq, h * d)
         if self.residual_pooling:
-            out = out + q.view(B, Hq, Wq, h * d)
+            out = out + q_res.view(B, Hq, Wq, h * d)
         return apply_linear(self.proj, out)
 
 
@@ -365,13 +372,15 @@ class MultiScaleBlock(nn.Module):
             with packed_weights():  # each weight reordered for oneDNN once for all the chunks (see cpu_linear)
                 return self._forward_chunked(x)
         x_norm = self.norm1(x)
+        if self.shortcut_proj_attn is not None:
+            (x_norm,) = autocast_inputs(x_norm)  # read by the shortcut's product and the q/k/v products
         shortcut = x if self.shortcut_proj_attn is None else apply_linear(self.shortcut_proj_attn, x_norm)
         if self.shortcut_pool_attn is not None:
             shortcut = self.shortcut_pool_attn(shortcut.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
         x = shortcut + self.drop_path1(self.attn(x_norm))
         if self.shortcut_proj_mlp is None:  # the MLP's pre-norm is fused with its fc1 (see Mlp)
             return x + self.drop_path2(self.mlp(x, norm=self.norm2))
-        x_norm = self.norm2(x)
+        (x_norm,) = autocast_inputs(self.norm2(x))  # read by the shortcut's product and fc1
         return apply_linear(self.shortcut_proj_mlp, x_norm) + self.drop_path2(self.mlp(x_norm))
 
 

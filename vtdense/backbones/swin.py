@@ -26,9 +26,9 @@ from torch import Tensor, nn
 
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
-from vtdense.layers.attention import attention
+from vtdense.layers.attention import TERM_ALIGN, aligned_term, attention, pads_term_rows
 from vtdense.layers.chunked import chunking_applies, functorch_transform, window_slices
-from vtdense.layers.tracing import fresh_tables
+from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.layers.cpu_window_attention import (
     norm_qkv_window_attention,
     qkv_window_attention,
@@ -139,17 +139,19 @@ class WindowAttention(nn.Module):
     def _bias_params(self) -> list[Tensor]:
         return list(self.cpb_mlp.parameters()) if self.cosine else [self.relative_position_bias_table]
 
-    def cached_position_bias(self, window: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    def cached_position_bias(self, window: tuple[int, int], dtype: torch.dtype, padded: bool = True) -> Tensor:
         """:meth:`position_bias` in ``dtype``; when no gradient can flow to it (eval, frozen
         weights) it is cached per (window, dtype) until the weights change, so Swin V2's
         Log-CPB MLP runs once, not in every forward. On a GPU its rows are padded to 16 entries,
-        the alignment SDPA's memory-efficient kernel reads without a copy."""
+        the alignment SDPA's memory-efficient kernel reads without a copy (``padded=False``: not
+        for a bias made for this call, which the caller pads itself)."""
         params = self._bias_params()
         grad = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         # never cache traced or functorch-wrapped tensors, nor read the cache while a CUDA graph records;
         # nor for weights made under torch.inference_mode: they have no version counter to stamp
         if grad or fresh_tables(params[0].device) or any(p.is_inference() for p in params):
-            return _pad_rows(self.position_bias(window).to(dtype))
+            bias = self.position_bias(window).to(dtype)
+            return _pad_rows(bias) if padded else bias
         key = (window, dtype)
         stamp = tuple((p._version, p.data_ptr()) for p in params)
         hit = self._bias_cache.get(key)
@@ -168,16 +170,21 @@ class WindowAttention(nn.Module):
     def attn_term(self, window: tuple[int, int], mask: Tensor | None, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The additive attention term: ``(heads, N, N)`` bias, or ``(nW, heads, N, N)`` with the
         shift/padding ``mask`` (True = blocked) folded in as :data:`MASK_VALUE`."""
-        bias = self.cached_position_bias(window, dtype)
+        bias = self.cached_position_bias(window, dtype, padded=mask is None)
         if mask is None:
             return bias
         n = bias.shape[-1]
-        if device.type != "cpu" and n % 16:
-            # Build the term in a row-padded buffer (see _pad_rows): one pass, aligned for SDPA.
-            pad = -n % 16
-            full = torch.where(F.pad(mask, (0, pad), value=True)[:, None], mask_value(), F.pad(bias, (0, pad)))
-            return full[..., :n]
-        return torch.where(mask[:, None], mask_value(), bias)
+        if not pads_term_rows(device) or not n % TERM_ALIGN:
+            return torch.where(mask[:, None], mask_value(), bias)
+        # On a GPU the term's rows are padded for SDPA (see aligned_term).
+        if not tracing() and not (torch.is_grad_enabled() and bias.requires_grad):
+            # written straight into the padded term: one pass (out= takes no scalar: a CPU 0-dim tensor)
+            term = aligned_term((mask.shape[0], *bias.shape), bias)
+            return torch.where(mask[:, None], torch.tensor(mask_value(), dtype=bias.dtype), bias, out=term)
+        # with autograd (out= has none): a row-padded sum, sliced
+        pad = -n % TERM_ALIGN
+        full = torch.where(F.pad(mask, (0, pad), value=True)[:, None], mask_value(), F.pad(bias, (0, pad)))
+        return full[..., :n]
 
     def forward(
         self, x: Tensor, window: tuple[int, int], mask: Tensor | None = None, norm: nn.Module | None = None,
@@ -242,10 +249,11 @@ def _same_values(copies: tuple[Tensor, ...] | None, params: list[Tensor]) -> boo
 
 
 def _pad_rows(t: Tensor, value: float | bool = 0.0) -> Tensor:
-    """On a GPU, ``t`` as a view into a buffer whose last-dim rows are padded to multiples of 16
-    elements: SDPA's memory-efficient kernel reads such a bias in place instead of copying it."""
-    pad = -t.shape[-1] % 16
-    if t.device.type == "cpu" or not pad:
+    """On a GPU, ``t`` as a view into a buffer whose last-dim rows are padded to multiples of
+    :data:`~vtdense.layers.attention.TERM_ALIGN` elements: SDPA's memory-efficient kernel reads
+    such a bias in place instead of copying it."""
+    pad = -t.shape[-1] % TERM_ALIGN
+    if not pads_term_rows(t.device) or not pad:
         return t
     return F.pad(t, (0, pad), value=value)[..., : t.shape[-1]]
 

@@ -30,12 +30,43 @@ from torch import Tensor
 
 from vtdense.layers.chunked import functorch_transform, tracing, window_slices
 
-__all__ = ["attention", "set_attention_backend", "attention_backend", "get_attention_backend", "flex_available"]
+__all__ = [
+    "attention", "set_attention_backend", "attention_backend", "get_attention_backend", "flex_available",
+    "aligned_term", "pads_term_rows", "TERM_ALIGN",
+]
 
 _BACKENDS = ("sdpa", "flex", "math")
 _backend = "sdpa"
 #: fold per-window terms into the heads (else expand the term over the batch); see attention()
 _FOLD_WINDOWS = True
+
+
+#: SDPA's memory-efficient CUDA kernel reads an additive term in place only when every stride but
+#: the last is a multiple of this many elements; it pads (copies) any other term in every call.
+TERM_ALIGN = 16
+
+
+#: tests set this to build row-padded terms on the CPU too, to check the GPU layout's values
+_PAD_ROWS_ON_CPU = False
+
+
+def pads_term_rows(device: torch.device) -> bool:
+    """Whether additive terms on ``device`` are built with rows padded to :data:`TERM_ALIGN`
+    entries (GPUs: SDPA's CPU kernels read any strides)."""
+    return device.type != "cpu" or _PAD_ROWS_ON_CPU
+
+
+def aligned_term(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """An uninitialised additive term of ``shape`` (``(..., Nq, Nk)``) to fill in place for
+    :func:`attention`, on ``like``'s device, in ``dtype`` (default ``like``'s).
+
+    On a GPU it is a view into a buffer whose rows are padded to :data:`TERM_ALIGN` entries, so
+    SDPA's memory-efficient kernel reads it where it lies; on the CPU a contiguous tensor."""
+    dtype = like.dtype if dtype is None else dtype
+    nk = shape[-1]
+    if not pads_term_rows(like.device) or not nk % TERM_ALIGN:
+        return like.new_empty(shape, dtype=dtype)
+    return like.new_empty((*shape[:-1], nk + (-nk % TERM_ALIGN)), dtype=dtype)[..., :nk]
 
 
 def flex_available() -> bool:

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vtdense.layers.attention import aligned_term
+from vtdense.layers.autocast import autocast_inputs
 from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.layers.windows import mask_value
 
@@ -189,7 +191,7 @@ def decomposed_rel_pos_factors(
     gw = (grid[0][1], grid[1][1]) if grid is not None else None
     r_h = rel_pos_lookup(qh, kh, rel_pos_h, gh).to(q.dtype)  # qh, kh, C
     r_w = rel_pos_lookup(qw, kw, rel_pos_w, gw).to(q.dtype)  # qw, kw, C
-    r_q = q.reshape(*q.shape[:-2], qh, qw, q.shape[-1])
+    (r_q,) = autocast_inputs(q.reshape(*q.shape[:-2], qh, qw, q.shape[-1]))  # read by both products
     bias_h = torch.einsum("...hwc,hkc->...hwk", r_q, r_h)
     bias_w = torch.einsum("...hwc,wkc->...hwk", r_q, r_w)
     if key_terms is not None:
@@ -238,12 +240,12 @@ def sum_rel_pos_factors(bias_h: Tensor, bias_w: Tensor) -> Tensor:
     shape = (*lead, qh * qw, kh * bias_w.shape[-1])
     if tracing() or (torch.is_grad_enabled() and (bias_h.requires_grad or bias_w.requires_grad)):
         return (bias_h[..., :, None] + bias_w[..., None, :]).reshape(shape)  # ..., qh, qw, kh, kw
-    # Without autograd, summed straight into a contiguous tensor: left to itself the broadcast
-    # sum follows the strides of its inputs (q's layout), and the reshape would copy the whole
-    # term once more.
-    bias = bias_h.new_empty((*bias_h.shape, bias_w.shape[-1]), dtype=torch.result_type(bias_h, bias_w))
-    torch.add(bias_h[..., :, None], bias_w[..., None, :], out=bias)
-    return bias.view(shape)
+    # Without autograd, summed straight into a dense term: left to itself the broadcast sum
+    # follows the strides of its inputs (q's layout), and the reshape would copy the whole term
+    # once more. On a GPU its rows are padded for SDPA (aligned_term), which would copy it again.
+    bias = aligned_term(shape, bias_h, torch.result_type(bias_h, bias_w))
+    torch.add(bias_h[..., :, None], bias_w[..., None, :], out=bias.view(*bias_h.shape, bias_w.shape[-1]))
+    return bias
 
 
 @functools.lru_cache(maxsize=32)

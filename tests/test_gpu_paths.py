@@ -1,0 +1,170 @@
+"""The backbones' GPU code paths, run here without a GPU.
+
+CI has no GPU, so code behind ``device.type != "cpu"`` would otherwise only run in the rare session
+that is lent one. On fake CUDA tensors (``FakeTensorMode``: a CUDA device, shapes, dtypes and
+strides, no kernel; ``benchmarks/launches.py``) with CUDA autocast switched on directly, every
+family runs its GPU paths in eval and training, in fp32 and under bf16 autocast, and these tests
+check what that can show: every attention call is one that SDPA's fused kernels take, its additive
+term is laid out so that SDPA reads it in place (no pad and copy in every call), and no activation
+is cast to the same dtype twice in a forward. The values of the GPU layout are checked on the CPU
+with it forced (``pads_term_rows``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import vtdense
+from vtdense.layers import attention as attention_mod
+from vtdense.models.detection import build_detector
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import launches  # noqa: E402
+
+from tests.test_swin import randomize_  # noqa: E402
+
+# the Swin bias cache stamps weights with data_ptr(), which fake tensors warn about (and which is unused there)
+pytestmark = pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")
+
+TINY = dict(depths=(1, 2, 1, 1), drop_path_rate=0.0)
+FAMILIES = {
+    "swin": ("swin_tiny", dict(TINY, embed_dim=32, num_heads=(1, 2, 4, 8))),
+    "swinv2": ("swinv2_tiny", dict(TINY, embed_dim=32, num_heads=(1, 2, 4, 8))),
+    "mvitv2": ("mvitv2_tiny", dict(TINY, embed_dim=32)),
+    "mvitv2_windows": ("mvitv2_tiny", dict(TINY, embed_dim=32, window_size=16)),
+}
+SIZE = (100, 132)  # not a multiple of any window: padding masks in every stage, and shifts
+
+
+def _tiny(family: str) -> torch.nn.Module:
+    name, kw = FAMILIES[family]
+    return vtdense.create_backbone(name, **kw)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gpu_paths_run_with_fused_attention_and_no_repeated_cast(family: str, train: bool, dtype) -> None:
+    count = launches.count_forward(_tiny(family), lambda: torch.randn(2, 3, *SIZE, device="cuda"), train=train,
+                                   dtype=dtype)
+    assert count.attention, "no attention call was seen"
+    for call in count.attention:
+        assert call.fused, f"{family}: attention of q {call.q_shape} ({call.dtypes}) would take the math path: {call.reason}"
+        assert not call.mask_copied, f"{family}: SDPA would copy the term of q {call.q_shape} in every call"
+        if dtype is not None:
+            assert set(call.dtypes) <= {"bfloat16", "none"}, call
+    # MViTv2: the outputs of stages 1-3 are read by their out_norm and the next stage's norm1, two
+    # LayerNorms, which autocast runs in fp32 (one cast each; Swin's next stage norms a merged copy)
+    allowed = 3 if family.startswith("mvitv2") and dtype is not None else 0
+    assert count.recasts == allowed, f"{family}: {count.recasts} activations cast again to a dtype they were already cast to"
+    assert count.casts == 0 or dtype is not None or family == "mvitv2_windows"  # fp32: only bool masks made float
+
+
+def test_gpu_paths_of_the_detector_backbone_and_fpn() -> None:
+    name, kw = FAMILIES["swin"]
+    model = build_detector(name, "mask_rcnn", backbone_kwargs=kw, num_classes=3, fpn_channels=32)
+    count = launches.count_forward(model.backbone, lambda: torch.randn(2, 3, 96, 128, device="cuda"), train=True,
+                                   dtype=torch.bfloat16)
+    assert count.attention and all(c.fused and not c.mask_copied for c in count.attention)
+    assert count.recasts == 0
+
+
+def test_bias_path_casts_q_once_under_autocast() -> None:
+    """MViTv2's decomposed term reads ``q`` in two products and SDPA reads it once more; before,
+    autocast cast it for each (and the q/k/v products cast their common input three times)."""
+    model = _tiny("mvitv2")
+    blocks = sum(1 for m in model.modules() if type(m).__name__ == "MultiScaleAttention")
+    count = launches.count_forward(model, lambda: torch.randn(2, 3, *SIZE, device="cuda"), train=False,
+                                   dtype=torch.bfloat16)
+    assert len(count.attention) == blocks and count.recasts == 3  # 3: the stage outputs, see above
+
+
+def test_eval_terms_of_swin_are_built_in_one_pass() -> None:
+    """At a size that needs no image padding, a Swin forward on a GPU pads nothing: the masked
+    blocks' terms are written straight into row-padded buffers (they were padded twice, then summed)."""
+    count = launches.count_forward(vtdense.create_backbone("swin_tiny", **dict(TINY, embed_dim=32, num_heads=(1, 2, 4, 8))),
+                                   lambda: torch.randn(2, 3, 224, 224, device="cuda"), train=False,
+                                   dtype=torch.bfloat16)
+    assert count.ops["constant_pad_nd"] == 0, count.ops
+    assert count.ops["where"] == 1  # the one shifted block (stage 2, 28x28): maps of 7-multiples need no padding
+
+
+def _terms_seen(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    seen: list[torch.Tensor] = []
+    real = attention_mod.attention
+
+    def spy(q, k, v, mask=None, *args, **kwargs):
+        if mask is not None:
+            seen.append(mask)
+        return real(q, k, v, mask, *args, **kwargs)
+
+    for mod in ("vtdense.backbones.swin", "vtdense.backbones.mvitv2"):
+        monkeypatch.setattr(f"{mod}.attention", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_row_padded_terms_give_the_same_values(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU layout of the additive terms (rows padded to 16 entries), forced on the CPU: the same
+    features and gradients as the plain layout, and every term reaching attention is aligned."""
+    from vtdense.layers.chunked import cpu_chunking
+
+    torch.manual_seed(0)
+    model = randomize_(_tiny(family), 0, std=0.1)
+    x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(1))
+
+    def run(train: bool) -> list[torch.Tensor]:
+        model.train(train)
+        model.zero_grad()
+        for m in model.modules():  # Swin's cached biases: built in the layout in force
+            if hasattr(m, "_bias_cache"):
+                m._bias_cache.clear()
+        with cpu_chunking(False), torch.set_grad_enabled(train):  # the unchunked path GPUs run
+            feats = list(model(x).values())
+        if not train:
+            return [f.detach() for f in feats]
+        sum((f * f).mean() for f in feats).backward()
+        return [f.detach() for f in feats] + [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = {t: run(t) for t in (False, True)}
+    seen = _terms_seen(monkeypatch)
+    monkeypatch.setattr(attention_mod, "_PAD_ROWS_ON_CPU", True)
+    for train in (False, True):
+        seen.clear()
+        got = run(train)
+        for a, b in zip(got, plain[train]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        unaligned = [t for t in seen if t.shape[-1] % 16 and any(s % 16 for s in t.stride()[:-1])]
+        assert not unaligned, [(tuple(t.shape), t.stride()) for t in unaligned]
+        # MViTv2 trains with its positions folded into q and k: no term (rel_pos_fold=False keeps
+        # a term made by autograd ops, which SDPA pads in each call)
+        assert seen or (train and family.startswith("mvitv2"))
+
+
+def test_launches_report(tmp_path: Path) -> None:
+    import timm
+
+    case = ("tiny Swin inference", False, 2, (64, 64), {
+        "vtdense": lambda: vtdense.create_backbone("swin_tiny", **dict(TINY, embed_dim=32, num_heads=(1, 2, 4, 8))),
+        "timm fused": lambda: launches._fuse(timm.create_model(
+            "swin_tiny_patch4_window7_224", features_only=True, img_size=(64, 64), embed_dim=32, depths=(1, 2, 1, 1),
+            num_heads=(1, 2, 4, 8))),
+    })
+    rows = launches.run([case])
+    assert [(r["contender"], r["dtype"]) for r in rows] == [
+        ("vtdense", "bf16"), ("vtdense", "fp32"), ("timm fused", "bf16"), ("timm fused", "fp32")]
+    for r in rows:
+        assert r["total"] > 0 and r["attention"] == r["fused"] > 0
+        assert (r["casts"] > 0) == (r["dtype"] == "bf16")
+    text = launches.markdown(rows)
+    assert text.count("\n| tiny Swin inference |") == 4
+    out = tmp_path / "RESULTS.md"
+    out.write_text("# head\n")
+    launches.write_section("one", out)
+    launches.write_section("two", out)
+    body = out.read_text()
+    assert body.startswith("# head\n") and "two" in body and "one" not in body
