@@ -231,16 +231,30 @@ class WindowAttention(nn.Module):
             if own_backward:
                 out = qkv_window_attention(qk, term, 1.0, v=qkv[:, :, :, 2])
             else:
-                q, k = qk.permute(3, 0, 1, 4, 2, 5).unbind(0)
+                q, k = _heads_first(qk, term).unbind(0)
                 v = qkv[:, :, :, 2].transpose(2, 3)
                 out = attention(q, k, v, term, scale=1.0, dropout=dropout)
         elif own_backward:
             out = qkv_window_attention(qkv, term, (C // h) ** -0.5)
         else:
-            q, k, v = qkv.permute(3, 0, 1, 4, 2, 5).unbind(0)
+            q, k, v = _heads_first(qkv, term).unbind(0)
             out = attention(q, k, v, term, dropout=dropout)
         out = out.transpose(2, 3).reshape(B, nW, N, C)
         return self.proj_drop(apply_linear(self.proj, out))
+
+
+def _heads_first(t: Tensor, term: Tensor) -> Tensor:
+    """``(B, nW, N, n, heads, d)`` -> ``(n, B, nW, heads, N, d)`` (``n``: 3 for q, k, v, 2 for q, k).
+
+    With a per-window term, :func:`~vtdense.layers.attention.attention` folds the windows into the
+    heads, ``(B, nW * heads, N, d)``, which copies each of q, k, v from this layout; off the CPU
+    the result is then made contiguous here instead, one copy for all of them (one kernel, not
+    three). The CPU's inference path reads the strided layout in place, and its training path
+    does not come here."""
+    t = t.permute(3, 0, 1, 4, 2, 5)
+    if t.device.type != "cpu" and term.dim() == 4 and term.shape[0] > 1:
+        return t.contiguous()
+    return t
 
 
 def _same_values(copies: tuple[Tensor, ...] | None, params: list[Tensor]) -> bool:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vtdense.layers.chunked import functorch_transform, tracing, window_slices
+from vtdense.layers.tracing import exporting
 
 __all__ = [
     "attention", "set_attention_backend", "attention_backend", "get_attention_backend", "flex_available",
@@ -217,7 +218,7 @@ def _compiled_image_by_image(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> b
     eagerly, in float32 without autocast. The graph then calls that same path as the opaque op
     ``vtdense::window_attention_cpu`` rather than SDPA's CPU flash kernel, which measured slower at
     window sizes (and compiled code then computes what eager code does)."""
-    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if not torch.compiler.is_compiling() or exporting():
         return False
     if q.device.type != "cpu" or q.dim() != 5 or not (q.dtype == k.dtype == v.dtype == torch.float32):
         return False

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vtdense.layers.plain import plain_linear
-from vtdense.layers.tracing import tracing
+from vtdense.layers.tracing import exporting, tracing
 
 __all__ = ["linear", "apply_linear", "mm", "mm_tn", "linear_into", "packed_weights", "set_cpu_matmul",
            "use_cpu_matmul", "cpu_matmul", "onednn_applies", "ENV_VAR"]
@@ -275,6 +275,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     op inside ``torch.compile`` graphs (:func:`_compiled_applies`), so compiled code computes
     what eager code does. ``x``: ``(..., in)``, ``weight``: ``(out, in)``, ``bias``: ``(out,)``
     -> ``(..., out)``."""
+    if x.device.type == "cuda":
+        return _rows_linear(x, weight, bias)
     if bias is not None and bias.dtype != torch.float32:
         return F.linear(x, weight, bias)
     if _compiled_applies(x, weight):
@@ -286,12 +288,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return _forward(x, weight, bias)
 
 
+def _rows_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear`` on a GPU, an input of more than two dims flattened to rows first (eager only).
+
+    ``F.linear`` runs a 4-D input, or a non-contiguous 3-D one, as a matmul (copying the input to
+    rows when it is strided) followed by a separate bias-add kernel; on rows it is one ``addmm``
+    with the bias added in the GEMM's epilogue, as timm's 3-D windows get. One launch and one pass
+    over the output fewer per layer (the windows' q/k/v and output projections are 4-D)."""
+    if bias is None or x.dim() <= 2 or tracing():
+        return F.linear(x, weight, bias)
+    return F.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
 def _compiled_applies(x: Tensor, weight: Tensor) -> bool:
     """Inside ``torch.compile`` (not ``torch.export``, whose graphs must stay portable, nor a
     ``torch.func`` transform): float32 CPU tensors, autocast off, and oneDNN chosen before the
     graph was captured (the backbones resolve the choice when they are built; a choice not made
     yet counts as ``"blas"``, so no probe runs while tracing)."""
-    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if not torch.compiler.is_compiling() or exporting():
         return False
     if not (_use if _use is not None else _choice == "onednn"):  # (a forced choice needs no probe; set_cpu_matmul checked it)
         return False

@@ -22,6 +22,7 @@ from torch import Tensor
 from vtdense.layers import chunked
 from vtdense.layers.attention import attention
 from vtdense.layers.chunked import window_slices
+from vtdense.layers.tracing import exporting
 from vtdense.layers.position import decomposed_rel_pos_factors, sum_rel_pos_factors
 
 __all__ = ["decomposed_attention_chunked", "compiled_decomposed_attention_applies", "compiled_decomposed_attention"]
@@ -96,7 +97,7 @@ _register_flops()
 def compiled_decomposed_attention_applies(qs: Tensor, ks: Tensor, vs: Tensor, rel_pos_h: Tensor) -> bool:
     """Inside ``torch.compile`` (not ``torch.export``), float32 CPU inference: the graph calls
     :func:`compiled_decomposed_attention`."""
-    if not torch.compiler.is_compiling() or torch.compiler.is_exporting():
+    if not torch.compiler.is_compiling() or exporting():
         return False
     if qs.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
         return False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.autograd import forward_ad as _forward_ad
 
-__all__ = ["tracing", "functorch_transform", "cuda_graph_capturing", "fresh_tables"]
+__all__ = ["tracing", "exporting", "functorch_transform", "cuda_graph_capturing", "fresh_tables"]
 
 
 def functorch_transform() -> bool:
@@ -27,11 +27,24 @@ def functorch_transform() -> bool:
     return peek is not None and peek() is not None
 
 
+def exporting() -> bool:
+    """Whether ``torch.export`` is tracing (strict or not), and not ``torch.compile``.
+
+    Not ``torch.compiler.is_exporting()``: Dynamo in torch 2.11 (the GPU image's) folds that call
+    to ``True`` inside every ``torch.compile`` (2.14 reads the flag below instead), which sent
+    compiled code down the export paths: size tables built in the graph instead of fetched by the
+    custom ops, no compiled CPU kernels, and a first compile minutes long. The flag that function
+    returns eagerly is right under both, strict and non-strict export included, and Dynamo reads
+    it as a constant."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return torch.compiler.is_exporting() if flag is None else bool(flag)
+
+
 def tracing() -> bool:
     """Whether a graph is being built (``torch.compile``, ``torch.export``, TorchScript tracing or
     scripting) or a ``torch.func`` transform runs (:func:`functorch_transform`): eager-only
     shortcuts (fused autograd functions, chunking, caches) must then keep the plain form."""
-    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+    return (torch.compiler.is_compiling() or exporting() or torch.jit.is_tracing()
             or torch.jit.is_scripting() or functorch_transform())
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vtdense.layers.tracing import fresh_tables, tracing
+from vtdense.layers.tracing import exporting, fresh_tables, tracing
 
 __all__ = [
     "MASK_VALUE",
@@ -242,7 +242,7 @@ def window_attention_mask(
     masked), so a change of size that adds or removes padding needs no new graph.
     ``torch.export`` builds it from tensor ops inside the graph.
     """
-    if torch.compiler.is_exporting():  # traced once, at fixed sizes: build it in the graph, never cache traced tensors
+    if exporting():  # traced once, at fixed sizes: build it in the graph, never cache traced tensors
         return _window_mask_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
     if torch.compiler.is_compiling():
         return _mask_op(H, W, *window, *shift, torch.device(device))
@@ -265,7 +265,7 @@ def window_token_index(
     Cached per size like the mask, and fetched by the custom op ``vtdense::window_token_index``
     under ``torch.compile`` (built from tensor ops inside the graph under ``torch.export``).
     """
-    if torch.compiler.is_exporting():
+    if exporting():
         return _token_index_cached.__wrapped__(int(H), int(W), tuple(window), tuple(shift), torch.device(device))
     if torch.compiler.is_compiling():
         return _index_op(H, W, *window, *shift, torch.device(device))
