@@ -57,7 +57,9 @@ def test_chunked_inference_equals_the_whole_tensor_path(key: str, monkeypatch: p
             results[on] = model(x)
         widest[on] = spy.rows
     for name in results[False]:
-        if key == "mvitv2":  # global attention is split into bands of query rows, which SDPA may round differently
+        # global attention (all of "mvitv2", the last block of stages 2-4 of "mvitv2-windows") is split into
+        # bands of query rows, which SDPA may round differently (torch 2.11 does in stage 4 of the windowed one)
+        if key.startswith("mvitv2"):
             torch.testing.assert_close(results[True][name], results[False][name], rtol=0, atol=1e-5)
         else:
             assert torch.equal(results[True][name], results[False][name]), name
