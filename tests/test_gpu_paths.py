@@ -90,7 +90,8 @@ def test_eval_terms_of_swin_are_built_in_one_pass() -> None:
                                    lambda: torch.randn(2, 3, 224, 224, device="cuda"), train=False,
                                    dtype=torch.bfloat16)
     assert count.ops["constant_pad_nd"] == 0, count.ops
-    assert count.ops["where"] == 1  # the one shifted block (stage 2, 28x28): maps of 7-multiples need no padding
+    # the one shifted block (stage 2, 28x28; maps of 7-multiples need no padding): bias copied, mask filled in
+    assert count.ops["masked_fill_"] == 1 and count.ops["where"] == 0
 
 
 def _terms_seen(monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:

@@ -39,7 +39,11 @@ def test_fused_mlp_gradients_equal_plain_autograd(dtype: torch.dtype | None) -> 
     x = torch.randn(2, 7, 24)
     fused, plain = _grads(mlp, norm, x, True, dtype), _grads(mlp, norm, x, False, dtype)
     for a, b in zip(fused, plain):
-        assert a.dtype == b.dtype and torch.equal(a, b)
+        # bitwise on torch 2.14; to float rounding on 2.11, where the fused path's linear layers run through
+        # oneDNN (vtdense.layers.cpu_linear) and plain autograd's through MKL, which round differently there
+        # (with VTDENSE_CPU_MATMUL=blas they are bitwise equal on 2.11 too)
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert fused[0].dtype == (dtype or torch.float32) and fused[1].dtype == torch.float32
 
 

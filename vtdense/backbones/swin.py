@@ -178,9 +178,10 @@ class WindowAttention(nn.Module):
             return torch.where(mask[:, None], mask_value(), bias)
         # On a GPU the term's rows are padded for SDPA (see aligned_term).
         if not tracing() and not (torch.is_grad_enabled() and bias.requires_grad):
-            # written straight into the padded term: one pass (out= takes no scalar: a CPU 0-dim tensor)
+            # written straight into the padded term (no padded copies of the mask and the bias). Not
+            # where(out=): it takes no Python scalar, and a CPU one it would copy to the GPU in every call.
             term = aligned_term((mask.shape[0], *bias.shape), bias)
-            return torch.where(mask[:, None], torch.tensor(mask_value(), dtype=bias.dtype), bias, out=term)
+            return term.copy_(bias).masked_fill_(mask[:, None], mask_value())
         # with autograd (out= has none): a row-padded sum, sliced
         pad = -n % TERM_ALIGN
         full = torch.where(F.pad(mask, (0, pad), value=True)[:, None], mask_value(), F.pad(bias, (0, pad)))
