@@ -372,7 +372,7 @@ class MultiScaleBlock(nn.Module):
             with packed_weights():  # each weight reordered for oneDNN once for all the chunks (see cpu_linear)
                 return self._forward_chunked(x)
         x_norm = self.norm1(x)
-        if self.shortcut_proj_attn is not None:
+        if self.shortcut_proj_attn is not None and plain_linear(self.shortcut_proj_attn) and plain_linear(self.attn.qkv):
             (x_norm,) = autocast_inputs(x_norm)  # read by the shortcut's product and the q/k/v products
         shortcut = x if self.shortcut_proj_attn is None else apply_linear(self.shortcut_proj_attn, x_norm)
         if self.shortcut_pool_attn is not None:
@@ -380,7 +380,9 @@ class MultiScaleBlock(nn.Module):
         x = shortcut + self.drop_path1(self.attn(x_norm))
         if self.shortcut_proj_mlp is None:  # the MLP's pre-norm is fused with its fc1 (see Mlp)
             return x + self.drop_path2(self.mlp(x, norm=self.norm2))
-        (x_norm,) = autocast_inputs(self.norm2(x))  # read by the shortcut's product and fc1
+        x_norm = self.norm2(x)
+        if plain_linear(self.shortcut_proj_mlp) and plain_linear(self.mlp.fc1):
+            (x_norm,) = autocast_inputs(x_norm)  # read by the shortcut's product and fc1
         return apply_linear(self.shortcut_proj_mlp, x_norm) + self.drop_path2(self.mlp(x_norm))
 
 

@@ -36,7 +36,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -315,7 +315,7 @@ def _compiled_applies(x: Tensor, weight: Tensor) -> bool:
 
 
 @torch.library.custom_op("vtdense::onednn_linear", mutates_args=())
-def _op_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _op_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:  # typing's: see decomposed_attention
     if x.numel() == 0:
         return F.linear(x, weight, bias)
     return _forward(x, weight, bias)

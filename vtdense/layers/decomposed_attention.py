@@ -14,7 +14,7 @@ that took 2.2 s of a 2.9 s MViTv2-T forward at 512x768 (eager: 0.86 s).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
@@ -61,9 +61,10 @@ def decomposed_attention_chunked(
     return out.transpose(2, 3)
 
 
+# (typing's List / Optional: torch 2.6-2.7's schema inference reads no list[int] or Tensor | None)
 @torch.library.custom_op("vtdense::decomposed_attention_cpu", mutates_args=())
-def _op(qs: Tensor, ks: Tensor, vs: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, q_win: list[int], k_win: list[int],
-        grid: list[int], key_h: Tensor | None, key_w: Tensor | None) -> Tensor:
+def _op(qs: Tensor, ks: Tensor, vs: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, q_win: List[int], k_win: List[int],
+        grid: List[int], key_h: Optional[Tensor], key_w: Optional[Tensor]) -> Tensor:
     g = ((grid[0], grid[1]), (grid[2], grid[3])) if grid else None
     keys = (key_h, key_w) if key_h is not None and key_w is not None else None
     return decomposed_attention_chunked(qs, ks, vs, rel_pos_h, rel_pos_w, tuple(q_win), tuple(k_win), g, keys)

@@ -212,7 +212,9 @@ def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
     return torch.empty(n, wh * ww, wh * ww, dtype=torch.bool, device=device)
 
 
-@torch.library.custom_op("vtdense::window_token_index", mutates_args=())
+# (the schema spelt out: torch 2.6-2.7 cannot read a string return annotation of a tuple)
+@torch.library.custom_op("vtdense::window_token_index", mutates_args=(),
+                         schema="(SymInt H, SymInt W, SymInt wh, SymInt ww, SymInt sh, SymInt sw, Device device) -> (Tensor, Tensor)")
 def _index_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> tuple[Tensor, Tensor]:
     gather, scatter = _fetch(_token_index_cached, H, W, (wh, ww), (sh, sw), device)
     return (gather, scatter) if fresh_tables(device) else (gather.clone(), scatter.clone())
