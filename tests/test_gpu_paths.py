@@ -64,13 +64,21 @@ def test_gpu_paths_run_with_fused_attention_and_no_repeated_cast(family: str, tr
     assert count.casts == 0 or dtype is not None or family == "mvitv2_windows"  # fp32: only bool masks made float
 
 
-def test_gpu_paths_of_the_detector_backbone_and_fpn() -> None:
+@pytest.mark.parametrize("model", ["mask_rcnn backbone + FPN", "upernet", "fpn"])
+def test_gpu_paths_of_the_models_on_the_backbones(model: str) -> None:
+    """The detector's backbone + FPN (its heads make data-dependent shapes, which fake tensors
+    cannot follow) and SMP's UPerNet / FPN around a vtdense encoder, training under bf16 autocast."""
+    from vtdense.models.segmentation import build_segmentor
+
     name, kw = FAMILIES["swin"]
-    model = build_detector(name, "mask_rcnn", backbone_kwargs=kw, num_classes=3, fpn_channels=32)
-    count = launches.count_forward(model.backbone, lambda: torch.randn(2, 3, 96, 128, device="cuda"), train=True,
+    if model.startswith("mask_rcnn"):
+        net = build_detector(name, "mask_rcnn", backbone_kwargs=kw, num_classes=3, fpn_channels=32).backbone
+    else:
+        net = build_segmentor(model, name, 5, backbone_kwargs=kw)
+    count = launches.count_forward(net, lambda: torch.randn(2, 3, 96, 128, device="cuda"), train=True,
                                    dtype=torch.bfloat16)
     assert count.attention and all(c.fused and not c.mask_copied for c in count.attention)
-    assert count.recasts == 0
+    assert count.recasts <= (1 if model == "upernet" else 0)  # UPerNet: one in SMP's decoder
 
 
 def test_bias_path_casts_q_once_under_autocast() -> None:
