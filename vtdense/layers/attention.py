@@ -141,11 +141,16 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, term: Tensor | None, scale: float, dr
         raise ValueError("the 'flex' attention backend has no attention dropout; use 'sdpa' or 'math' to train with attn_drop")
     if term is None:
         return flex_attention(q, k, v, scale=scale)
-    # term: (1 or B, H, Nq, Nk); the batch index is clamped so a shared term is read for all.
-    shared = term.shape[0] == 1
+    # term: (1 or B, H, Nq, Nk); a term shared by the batch is read for every image. Tensor indices
+    # only: torch 2.7 and 2.9 cannot trace an int mixed with them there (a data-dependent error).
+    if term.shape[0] == 1:
+        shared = term[0]
 
-    def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return score + term[0 if shared else b, h, q_idx, kv_idx]
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + shared[h, q_idx, kv_idx]
+    else:
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + term[b, h, q_idx, kv_idx]
 
     return flex_attention(q, k, v, score_mod=score_mod, scale=scale)
 
