@@ -36,13 +36,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["AttentionCall", "Count", "cuda_autocast", "fake_cuda", "count_forward", "CASES", "run", "markdown"]
 
-#: ATen calls that only make a view or read metadata: no kernel is launched for them
+#: ATen calls that only make a view, read metadata or allocate: no kernel is launched for them
 _NO_KERNEL = frozenset({
     "view", "_unsafe_view", "permute", "t", "expand", "transpose", "unsqueeze", "squeeze", "alias", "unbind",
     "detach", "as_strided", "slice", "select", "split", "split_with_sizes", "chunk", "narrow", "unflatten",
     "flatten", "reshape", "_reshape_alias", "view_as", "expand_as", "lift_fresh", "device", "dim", "sym_size",
     "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous", "_fused_sdp_choice", "is_same_size",
     "is_nonzero", "size", "stride", "numel", "sym_is_contiguous",
+    "empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided",  # allocations, no kernel
 })
 _COPIES = frozenset({"clone", "copy_", "contiguous"})
 
@@ -264,8 +265,7 @@ def _detector_fpn() -> torch.nn.Module:
     from vtdense.models.detection import build_detector
 
     cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PUBLISHED_DETECTOR.items()}
-    cfg["backbone_kwargs"]["drop_path_rate"] = 0.0
-    return build_detector("swin_tiny", "mask_rcnn", **cfg).backbone
+    return build_detector("swin_tiny", "mask_rcnn", **cfg).backbone  # stochastic depth 0.2, as published
 
 
 def _torchvision_fpn() -> torch.nn.Module:
@@ -296,7 +296,7 @@ CASES: list[tuple[str, bool, int, tuple[int, int], dict[str, Callable[[], torch.
     ("MViTv2-T training forward, batch 8 at 512x768", True, 8, (512, 768), {
         "vtdense": lambda: _vtdense("mvitv2_tiny"),
         "vtdense windows 56": lambda: _vtdense("mvitv2_tiny", window_size=56)}),
-    ("Mask R-CNN backbone + FPN training forward, batch 2 at 800x1344", True, 2, (800, 1344), {
+    ("Mask R-CNN backbone + FPN training forward (drop path 0.2), batch 2 at 800x1344", True, 2, (800, 1344), {
         "vtdense": _detector_fpn,
         "torchvision R50-FPN v2": _torchvision_fpn}),
 ]

@@ -190,3 +190,37 @@ def test_launches_report(tmp_path: Path) -> None:
     launches.write_section("two", out)
     body = out.read_text()
     assert body.startswith("# head\n") and "two" in body and "one" not in body
+
+
+@fake_cuda
+def test_drop_path_residual_is_one_draw_and_one_addcmul_on_a_gpu() -> None:
+    """Stochastic depth on a GPU in training: the residual sum with the per-sample draws is two
+    kernels (it was four: draw, scale, product, sum)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vtdense.layers.drop import DropPath, residual
+
+    drop = DropPath(0.3).train()
+    count = launches.Count()
+    with FakeTensorMode():
+        x, branch = torch.randn(4, 5, 6, device="cuda"), torch.randn(4, 5, 6, device="cuda")
+        with launches._Recorder(count):
+            out = residual(x, drop, branch)
+    assert out.shape == x.shape
+    assert dict(count.ops) == {"bernoulli_": 1, "addcmul": 1}, count.ops
+
+
+def test_drop_path_residual_calls_a_replaced_or_hooked_module() -> None:
+    from vtdense.layers.drop import DropPath, residual
+
+    torch.manual_seed(0)
+    x, branch = torch.randn(8, 3), torch.randn(8, 3)
+    torch.testing.assert_close(residual(x, torch.nn.Identity(), branch), x + branch)
+    drop = DropPath(0.5).train()
+    calls = []
+    drop.register_forward_hook(lambda m, i, o: calls.append(o))
+    torch.manual_seed(1)
+    out = residual(x, drop, branch)
+    torch.manual_seed(1)
+    assert calls and torch.equal(out, x + DropPath(0.5).train()(branch))
+    assert torch.equal(residual(x, DropPath(0.5).eval(), branch), x + branch)

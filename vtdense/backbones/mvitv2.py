@@ -63,7 +63,7 @@ from vtdense.layers.decomposed_attention import (
     compiled_decomposed_attention_applies,
     decomposed_attention_chunked,
 )
-from vtdense.layers.drop import DropPath
+from vtdense.layers.drop import DropPath, residual
 from vtdense.layers.mlp import Mlp
 from vtdense.layers.cpu_linear import apply_linear, linear, packed_weights
 from vtdense.layers.plain import plain_linear, plain_module
@@ -377,13 +377,13 @@ class MultiScaleBlock(nn.Module):
         shortcut = x if self.shortcut_proj_attn is None else apply_linear(self.shortcut_proj_attn, x_norm)
         if self.shortcut_pool_attn is not None:
             shortcut = self.shortcut_pool_attn(shortcut.permute(0, 3, 1, 2)).permute(0, 2, 3, 1)
-        x = shortcut + self.drop_path1(self.attn(x_norm))
+        x = residual(shortcut, self.drop_path1, self.attn(x_norm))
         if self.shortcut_proj_mlp is None:  # the MLP's pre-norm is fused with its fc1 (see Mlp)
-            return x + self.drop_path2(self.mlp(x, norm=self.norm2))
+            return residual(x, self.drop_path2, self.mlp(x, norm=self.norm2))
         x_norm = self.norm2(x)
         if plain_linear(self.shortcut_proj_mlp) and plain_linear(self.mlp.fc1):
             (x_norm,) = autocast_inputs(x_norm)  # read by the shortcut's product and fc1
-        return apply_linear(self.shortcut_proj_mlp, x_norm) + self.drop_path2(self.mlp(x_norm))
+        return residual(apply_linear(self.shortcut_proj_mlp, x_norm), self.drop_path2, self.mlp(x_norm))
 
 
 class _PatchEmbed(nn.Module):

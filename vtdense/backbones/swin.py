@@ -34,7 +34,7 @@ from vtdense.layers.cpu_window_attention import (
     qkv_window_attention,
     qkv_window_attention_applies,
 )
-from vtdense.layers.drop import DropPath
+from vtdense.layers.drop import DropPath, residual
 from vtdense.layers.cpu_linear import apply_linear, linear, packed_weights
 from vtdense.layers.mlp import Mlp, norm_linear
 from vtdense.layers.plain import plain_layer_norm, plain_linear
@@ -356,11 +356,11 @@ class SwinBlock(nn.Module):
             with packed_weights():  # each weight reordered for oneDNN once for all the chunks (see cpu_linear)
                 return self._forward_chunked(x)
         if self.post_norm:
-            x = x + self.drop_path1(self.norm1(self._window_attention(x)))
-            x = x + self.drop_path2(self.norm2(self.mlp(x)))
+            x = residual(x, self.drop_path1, self.norm1(self._window_attention(x)))
+            x = residual(x, self.drop_path2, self.norm2(self.mlp(x)))
         else:
-            x = x + self.drop_path1(self._window_attention(x, norm=self.norm1))
-            x = x + self.drop_path2(self.mlp(x, norm=self.norm2))  # pre-norm fused with fc1 (see Mlp)
+            x = residual(x, self.drop_path1, self._window_attention(x, norm=self.norm1))
+            x = residual(x, self.drop_path2, self.mlp(x, norm=self.norm2))  # pre-norm fused with fc1 (see Mlp)
         if self.norm3 is not None:
             x = self.norm3(x)
         return x

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["DropPath"]
+from vtdense.layers.plain import plain_module
+from vtdense.layers.tracing import tracing
+
+__all__ = ["DropPath", "residual"]
 
 
 class DropPath(nn.Module):
@@ -15,11 +19,37 @@ class DropPath(nn.Module):
         self.p = float(p)
 
     def forward(self, x: Tensor) -> Tensor:
+        """``x`` (``(B, ...)``) with each sample's branch zeroed with probability ``p`` and the
+        others scaled by ``1 / (1 - p)`` (training); ``x`` itself otherwise."""
         if self.p == 0.0 or not self.training:
             return x
         keep = 1.0 - self.p
         shape = (x.shape[0],) + (1,) * (x.dim() - 1)
         return x * x.new_empty(shape).bernoulli_(keep).div_(keep)
 
+    def add_to(self, x: Tensor, branch: Tensor) -> Tensor:
+        """``x + self(branch)``, the residual sum, of ``(B, ...)`` tensors.
+
+        On a GPU in eager training it is one ``addcmul`` with the 0/1 draws and the ``1 / (1 - p)``
+        scale as its scalar: two kernels (draw, sum) where ``x + self(branch)`` launches four (draw,
+        scale, product, sum), for every block's two branches. The same draws; the sum may differ
+        from the unfused one by a rounding of the scale. Elsewhere (CPU, graphs, which fuse it
+        themselves) it is ``x + self(branch)``."""
+        if self.p == 0.0 or not self.training:
+            return x + branch
+        if branch.device.type != "cuda" or tracing():
+            return x + self(branch)
+        keep = 1.0 - self.p
+        draws = branch.new_empty((branch.shape[0],) + (1,) * (branch.dim() - 1)).bernoulli_(keep)
+        return torch.addcmul(x, branch, draws, value=1.0 / keep)
+
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+def residual(x: Tensor, drop: nn.Module, branch: Tensor) -> Tensor:
+    """``x + drop(branch)``: through :meth:`DropPath.add_to` for a plain, unhooked
+    :class:`DropPath`; a replaced or hooked ``drop`` module is called as it is."""
+    if plain_module(drop, DropPath):
+        return drop.add_to(x, branch)  # type: ignore[union-attr]
+    return x + drop(branch)
