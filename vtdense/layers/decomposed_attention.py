@@ -61,7 +61,7 @@ def decomposed_attention_chunked(
     return out.transpose(2, 3)
 
 
-# (typing's List / Optional: torch 2.6-2.7's schema inference reads no list[int] or Tensor | None)
+# (typing's List / Optional: torch 2.6's schema inference reads no list[int] or Tensor | None)
 @torch.library.custom_op("vtdense::decomposed_attention_cpu", mutates_args=())
 def _op(qs: Tensor, ks: Tensor, vs: Tensor, rel_pos_h: Tensor, rel_pos_w: Tensor, q_win: List[int], k_win: List[int],
         grid: List[int], key_h: Optional[Tensor], key_w: Optional[Tensor]) -> Tensor:

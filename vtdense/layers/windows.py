@@ -212,7 +212,7 @@ def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
     return torch.empty(n, wh * ww, wh * ww, dtype=torch.bool, device=device)
 
 
-# (the schema spelt out: torch 2.6-2.7 cannot read a string return annotation of a tuple)
+# (the schema spelt out: torch 2.6 cannot read a string return annotation of a tuple)
 @torch.library.custom_op("vtdense::window_token_index", mutates_args=(),
                          schema="(SymInt H, SymInt W, SymInt wh, SymInt ww, SymInt sh, SymInt sw, Device device) -> (Tensor, Tensor)")
 def _index_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> tuple[Tensor, Tensor]:
