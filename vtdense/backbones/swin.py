@@ -26,9 +26,9 @@ from torch import Tensor, nn
 
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
-from vtdense.layers.attention import TERM_ALIGN, aligned_term, attention, pads_term_rows
+from vtdense.layers.attention import TERM_ALIGN, aligned_term, attention, folds_windows, pads_term_rows
 from vtdense.layers.chunked import chunking_applies, functorch_transform, window_slices
-from vtdense.layers.tracing import fresh_tables, tracing
+from vtdense.layers.tracing import fresh_tables
 from vtdense.layers.cpu_window_attention import (
     norm_qkv_window_attention,
     qkv_window_attention,
@@ -174,18 +174,13 @@ class WindowAttention(nn.Module):
         if mask is None:
             return bias
         n = bias.shape[-1]
-        if not pads_term_rows(device) or not n % TERM_ALIGN:
+        if not pads_term_rows(device) or not n % TERM_ALIGN or functorch_transform():
             return torch.where(mask[:, None], mask_value(), bias)
-        # On a GPU the term's rows are padded for SDPA (see aligned_term).
-        if not tracing() and not (torch.is_grad_enabled() and bias.requires_grad):
-            # written straight into the padded term (no padded copies of the mask and the bias). Not
-            # where(out=): it takes no Python scalar, and a CPU one it would copy to the GPU in every call.
-            term = aligned_term((mask.shape[0], *bias.shape), bias)
-            return term.copy_(bias).masked_fill_(mask[:, None], mask_value())
-        # with autograd (out= has none): a row-padded sum, sliced
-        pad = -n % TERM_ALIGN
-        full = torch.where(F.pad(mask, (0, pad), value=True)[:, None], mask_value(), F.pad(bias, (0, pad)))
-        return full[..., :n]
+        # On a GPU, written straight into a row-padded term (see aligned_term), with or without
+        # autograd: no padded copies of the mask and the bias. (Not where(out=): it takes no Python
+        # scalar, would copy a CPU one to the GPU in every call, and has no autograd.)
+        term = aligned_term((mask.shape[0], *bias.shape), bias)
+        return term.copy_(bias).masked_fill_(mask[:, None], mask_value())
 
     def forward(
         self, x: Tensor, window: tuple[int, int], mask: Tensor | None = None, norm: nn.Module | None = None,
@@ -253,7 +248,7 @@ def _heads_first(t: Tensor, term: Tensor) -> Tensor:
     three). The CPU's inference path reads the strided layout in place, and its training path
     does not come here."""
     t = t.permute(3, 0, 1, 4, 2, 5)
-    if t.device.type != "cpu" and term.dim() == 4 and term.shape[0] > 1:
+    if t.device.type != "cpu" and folds_windows(term, t.dim() - 1):
         return t.contiguous()
     return t
 
@@ -263,14 +258,13 @@ def _same_values(copies: tuple[Tensor, ...] | None, params: list[Tensor]) -> boo
     return copies is None or all(torch.equal(c, p) for c, p in zip(copies, params))
 
 
-def _pad_rows(t: Tensor, value: float | bool = 0.0) -> Tensor:
+def _pad_rows(t: Tensor) -> Tensor:
     """On a GPU, ``t`` as a view into a buffer whose last-dim rows are padded to multiples of
     :data:`~vtdense.layers.attention.TERM_ALIGN` elements: SDPA's memory-efficient kernel reads
     such a bias in place instead of copying it."""
-    pad = -t.shape[-1] % TERM_ALIGN
-    if not pads_term_rows(t.device) or not pad:
+    if not pads_term_rows(t.device) or not t.shape[-1] % TERM_ALIGN or functorch_transform():
         return t
-    return F.pad(t, (0, pad), value=value)[..., : t.shape[-1]]
+    return aligned_term(t.shape, t).copy_(t)
 
 
 class SwinBlock(nn.Module):

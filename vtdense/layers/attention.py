@@ -33,7 +33,7 @@ from vtdense.layers.tracing import exporting
 
 __all__ = [
     "attention", "set_attention_backend", "attention_backend", "get_attention_backend", "flex_available",
-    "aligned_term", "pads_term_rows", "TERM_ALIGN",
+    "aligned_term", "folds_windows", "pads_term_rows", "TERM_ALIGN",
 ]
 
 _BACKENDS = ("sdpa", "flex", "math")
@@ -68,6 +68,14 @@ def aligned_term(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None
     if not pads_term_rows(like.device) or not nk % TERM_ALIGN:
         return like.new_empty(shape, dtype=dtype)
     return like.new_empty((*shape[:-1], nk + (-nk % TERM_ALIGN)), dtype=dtype)[..., :nk]
+
+
+def folds_windows(term: Tensor, q_dim: int) -> bool:
+    """Whether :func:`attention` folds the windows of ``q`` (``q_dim`` dims, ``(B, nW, heads, N,
+    d)``) into its heads for ``term``: a per-window term, ``(nW, heads, N, N)`` with ``nW > 1``.
+    ``q``, ``k`` and ``v`` are then copied to ``(B, nW * heads, N, d)`` unless they are laid out so
+    already."""
+    return _FOLD_WINDOWS and term.dim() == 4 < q_dim and term.shape[0] > 1
 
 
 def flex_available() -> bool:
@@ -299,8 +307,7 @@ def attention(
         return _attention_image_by_image(q, k, v, mask.to(dtype), scale)
     if backend == "sdpa" and mask is not None and _compiled_image_by_image(q, k, v, mask):
         return torch.ops.vtdense.window_attention_cpu(q, k, v, mask.to(dtype), float(scale))
-    fold = _FOLD_WINDOWS and mask is not None and mask.dim() == 4 < q.dim() and mask.shape[0] > 1
-    if fold:
+    if mask is not None and folds_windows(mask, q.dim()):
         # Per-window term: fold the windows into the heads, (B, nW*h, N, d), so the term is one
         # (1, nW*h, N, N) tensor broadcast over the batch (no copy of it per image).
         nw = mask.shape[0]

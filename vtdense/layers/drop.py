@@ -23,9 +23,11 @@ class DropPath(nn.Module):
         others scaled by ``1 / (1 - p)`` (training); ``x`` itself otherwise."""
         if self.p == 0.0 or not self.training:
             return x
-        keep = 1.0 - self.p
-        shape = (x.shape[0],) + (1,) * (x.dim() - 1)
-        return x * x.new_empty(shape).bernoulli_(keep).div_(keep)
+        return x * self._draws(x).div_(1.0 - self.p)
+
+    def _draws(self, x: Tensor) -> Tensor:
+        """One 0/1 draw per sample of ``x``, 1 with probability ``1 - p``: ``(B, 1, ..., 1)``."""
+        return x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(1.0 - self.p)
 
     def add_to(self, x: Tensor, branch: Tensor) -> Tensor:
         """``x + self(branch)``, the residual sum, of ``(B, ...)`` tensors.
@@ -39,9 +41,7 @@ class DropPath(nn.Module):
             return x + branch
         if branch.device.type != "cuda" or tracing():
             return x + self(branch)
-        keep = 1.0 - self.p
-        draws = branch.new_empty((branch.shape[0],) + (1,) * (branch.dim() - 1)).bernoulli_(keep)
-        return torch.addcmul(x, branch, draws, value=1.0 / keep)
+        return torch.addcmul(x, branch, self._draws(branch), value=1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
