@@ -140,6 +140,7 @@ def test_misspelt_option_gets_one_short_error_with_the_closest_name(
     [
         (["--model.compile_backbone", "inductr"], "error: compile_backbone='inductr' is not a torch.compile backend"),
         (["--model.size_divisibility", "0"], "error: size_divisibility must be a positive int (option 'size_divisibility')"),
+        (["--model.mask_rois_multiple", "0"], "error: mask_rois_multiple must be a positive int or null (option 'mask_rois_multiple')"),
         (["--model.head", "mask_rcn"], "error: unknown head 'mask_rcn'"),
         (["predict", "--ckpt_path", "missing.ckpt", "--data.predict_path", "."],
          "error: --ckpt_path: checkpoint not found: missing.ckpt"),

@@ -224,3 +224,18 @@ def test_drop_path_residual_calls_a_replaced_or_hooked_module() -> None:
     torch.manual_seed(1)
     assert calls and torch.equal(out, x + DropPath(0.5).train()(branch))
     assert torch.equal(residual(x, DropPath(0.5).eval(), branch), x + branch)
+
+
+@fake_cuda
+def test_mask_head_sees_padded_roi_batches_on_a_gpu() -> None:
+    """The published default pads the mask branch's RoI batch on CUDA (vtdense.models.mask_rois)."""
+    heads = build_detector("swin_tiny", "mask_rcnn", 3, fpn_channels=32, slim_heads=True,
+                           backbone_kwargs=FAMILIES["swin"][1]).roi_heads
+    seen: list[int] = []
+    heads.mask_head.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0]))
+    with launches.fake_cuda():
+        head, predictor = heads.mask_head.to("cuda"), heads.mask_predictor.to("cuda")
+        for rows in (5, 32, 33, 0):
+            logits = predictor(head(torch.randn(rows, 32, 14, 14, device="cuda")))
+            assert logits.shape == (rows, 4, 28, 28) and logits.is_cuda
+    assert seen == [32, 32, 64, 0]

@@ -32,6 +32,7 @@ from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxP
 
 from vtdense.backbones.base import Backbone
 from vtdense.layers.cpu_linear import apply_linear
+from vtdense.models.mask_rois import pad_mask_rois
 
 __all__ = [
     "HEADS",
@@ -297,6 +298,8 @@ def _rcnn(
     # min/max size are placeholders: the transform is replaced below.
     model = cls(neck, num_classes=None, min_size=1, max_size=1, **kwargs)
     _keep_fp32(model.rpn.head, model.roi_heads.box_predictor, getattr(model.roi_heads, "mask_predictor", None))
+    if masks:
+        pad_mask_rois(model.roi_heads, opts["mask_rois_multiple"])
     return model
 
 
@@ -384,6 +387,7 @@ def build_detector(
     image_std: Sequence[float] = IMAGENET_STD,
     head_kwargs: dict[str, Any] | None = None,
     size_divisibility: int | None = None,
+    mask_rois_multiple: int | None = 32,
 ) -> nn.Module:
     """Build a torchvision detector on a vtdense backbone with an FPN.
 
@@ -419,6 +423,10 @@ def build_detector(
             grid (64, 128) bounds the number of distinct batch shapes, so per-shape set-up (cuDNN
             plans, ``torch.compile`` graphs) is paid fewer times, at the cost of more padded pixels.
             It must be a multiple of the backbone's.
+        mask_rois_multiple: Mask R-CNN on CUDA: the mask head's RoI batch (positive proposals in
+            training, detections in inference) is zero-padded to a multiple of this and the padded
+            rows dropped from its logits, so cuDNN sets up plans for a few batch sizes instead of
+            one per count (:mod:`vtdense.models.mask_rois`). Same losses and masks. ``None``: off.
 
     Returns:
         The torchvision detector; ``model.backbone`` is a :class:`BackboneWithFPN` and
@@ -442,6 +450,10 @@ def build_detector(
         raise ValueError(f"backbone must be a vtdense Backbone or a backbone name, got {type(backbone).__name__}")
     if mask_head_layers < 1:
         raise ValueError(f"mask_head_layers must be >= 1, got {mask_head_layers}")
+    if mask_rois_multiple is not None and (
+        isinstance(mask_rois_multiple, bool) or not isinstance(mask_rois_multiple, int) or mask_rois_multiple < 1
+    ):
+        raise ValueError(f"mask_rois_multiple must be a positive int or None, got {mask_rois_multiple!r}")
     if backbone_weights is not None:
         from vtdense.checkpoints.convert import load_pretrained
 
@@ -462,6 +474,7 @@ def build_detector(
         aspect_ratios=aspect_ratios,
         detections_per_img=detections_per_img,
         score_thresh=score_thresh,
+        mask_rois_multiple=mask_rois_multiple,
     )
     model = builder(neck, num_classes, opts, dict(head_kwargs or {}))
     pad = check_size_divisibility(size_divisibility, neck.size_divisibility)

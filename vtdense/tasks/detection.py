@@ -174,6 +174,7 @@ class DetectionTask(BaseTask):
         size_divisibility: int | None = None,
         fused_optimizer: bool | None = None,
         compile_backbone: bool | str = False,
+        mask_rois_multiple: int | None = 32,
     ) -> None:
         """Initialise the task.
 
@@ -227,6 +228,9 @@ class DetectionTask(BaseTask):
                 (``dynamic=True``; parameter names and checkpoints unchanged) when the trainer starts:
                 ``false`` (default), ``true`` (Inductor) or a backend name (``aot_eager``, ...). On a GPU
                 it fuses the backbone's many small kernels; the first size compiles for minutes on a CPU.
+            mask_rois_multiple: Mask R-CNN on CUDA: pad the mask head's RoI batch to a multiple of
+                this, so cuDNN sets up plans for a few batch sizes instead of one per RoI count (same
+                losses and masks; ``null``: off). See ``build_detector``.
 
         Raises:
             ValueError: an unknown choice (the message names the option and lists the choices).
@@ -262,6 +266,12 @@ class DetectionTask(BaseTask):
             isinstance(size_divisibility, bool) or not isinstance(size_divisibility, int) or size_divisibility < 1
         ):
             raise ValueError(f"size_divisibility must be a positive int (option 'size_divisibility'), got {size_divisibility!r}")
+        if mask_rois_multiple is not None and (
+            isinstance(mask_rois_multiple, bool) or not isinstance(mask_rois_multiple, int) or mask_rois_multiple < 1
+        ):
+            raise ValueError(
+                f"mask_rois_multiple must be a positive int or null (option 'mask_rois_multiple'), got {mask_rois_multiple!r}"
+            )
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         check_compile_option(compile_backbone)
         self.save_hyperparameters()
@@ -301,6 +311,7 @@ class DetectionTask(BaseTask):
             score_thresh=hp["score_thresh"],
             head_kwargs=hp["head_kwargs"],
             size_divisibility=hp.get("size_divisibility"),
+            mask_rois_multiple=hp.get("mask_rois_multiple", 32),
         )
 
     def configure_metrics(self) -> None:
