@@ -13,7 +13,9 @@ both sides of that trade:
   recipe) and counts the distinct padded shapes per process, and the padded pixels relative to the
   32-pixel grid;
 - :func:`new_shape_cost` times a training step the first time a shape is seen and again at the
-  same shape, for the demo detector (CPU) or the published one (GPU).
+  same shape, for the demo detector (CPU) or the published one (GPU);
+- :func:`mask_roi_cost` does the same for Mask R-CNN's mask branch, whose batch is the step's RoI
+  count, with and without :mod:`vtdense.models.mask_rois`' padding of that count.
 
 Image sizes come from a COCO annotation file (``--ann-file``) or, without one, from a stand-in for
 COCO's sizes (long side 640, short side 360..640, two thirds landscape). Run alone::
@@ -153,6 +155,57 @@ def new_shape_cost(device: str, published: bool, shapes: Sequence[tuple[int, int
                 measured_shapes=len(first))
 
 
+def mask_roi_cost(device: str, published: bool, counts: int = 8, multiple: int = 32, seed: int = 2) -> dict[str, Any]:
+    """Forward and backward of the mask branch (mask head and predictor, bf16 autocast on a GPU)
+    at ``counts`` RoI counts met for the first time and again, padded to ``multiple`` and not.
+
+    The counts are drawn from the recipe's range (up to a quarter of its sampled RoIs, the positive
+    fraction, over the batch), none a multiple of ``multiple``. The padded branch runs first, so the
+    unpadded one meets only shapes the process has not seen. ``published``: 256 channels, 81
+    classes, counts up to 256; else the CPU demo's 64 channels, 5 classes, counts up to 64."""
+    from common import sync
+    from torch import nn
+    from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
+
+    from vtdense.models.mask_rois import pad_mask_rois
+
+    channels, classes, most = (256, 81, 256) if published else (64, 5, 64)
+    rng = random.Random(seed)
+    ns = rng.sample([n for n in range(1, most + 1) if n % multiple], counts)
+    dtype = torch.bfloat16 if device == "cuda" else None
+
+    def branch(pad: bool) -> nn.Module:
+        torch.manual_seed(0)
+        heads = nn.Module()
+        heads.mask_head = MaskRCNNHeads(channels, [channels] * 4, 1)
+        heads.mask_predictor = MaskRCNNPredictor(channels, channels, classes)
+        if pad:
+            pad_mask_rois(heads, multiple, cuda_only=False)
+        return heads.to(device)
+
+    def step(heads: nn.Module, n: int) -> float:
+        x = torch.randn(n, channels, 14, 14, device=device, requires_grad=True)
+        sync(device)
+        t = time.perf_counter()
+        with torch.autocast(device, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+            logits = heads.mask_predictor(heads.mask_head(x))
+        logits.float().square().mean().backward()
+        sync(device)
+        return time.perf_counter() - t
+
+    out: dict[str, Any] = dict(counts=ns, multiple=multiple, channels=channels)
+    for name, pad in (("padded", True), ("unpadded", False)):
+        heads = branch(pad)
+        step(heads, multiple * (most // multiple + 2))  # warm-up at a shape neither run meets again
+        first, again = [], []
+        for n in ns:
+            first.append(step(heads, n))
+            again.append(step(heads, n))
+        out[name] = dict(first_s=sum(first), again_s=sum(again), shapes=len({-(-n // multiple) for n in ns}) if pad
+                         else len(ns))
+    return out
+
+
 def run(device: str = "cpu", ann_file: str | None = None, n_images: int = 20000, cost_shapes: int = 5) -> dict[str, Any]:
     """Shape counts for the published and demo recipes, and the new-shape cost on ``device``."""
     sizes = sizes_from_annotations(ann_file) if ann_file else coco_like_sizes(n_images)
@@ -176,6 +229,7 @@ def run(device: str = "cpu", ann_file: str | None = None, n_images: int = 20000,
     report["cost"] = dict(new_shape_cost(device, published, shapes, cfg["batch_size"]),
                           detector="published Swin-T Mask R-CNN, bf16" if published else "CPU demo Mask R-CNN, fp32",
                           batch=cfg["batch_size"])
+    report["mask_rois"] = mask_roi_cost(device, published)
     return report
 
 
@@ -195,6 +249,19 @@ def markdown(report: dict[str, Any]) -> list[str]:
               f"{c['first_s'] * 1000:.0f} ms the first time a shape is seen, {c['again_s'] * 1000:.0f} ms again "
               f"(median of {c['measured_shapes']} shapes): {c['new_shape_s'] * 1000:.0f} ms per new shape. "
               "A run pays that once per shape and process; the coarser grid pays its extra pixels at every step."]
+    m = report.get("mask_rois")
+    if m:
+        p, u = m["padded"], m["unpadded"]
+        lines += ["", f"Mask R-CNN's mask branch ({m['channels']} channels), forward and backward at "
+                  f"{len(m['counts'])} RoI counts ({', '.join(map(str, sorted(m['counts'])))}), each met for the first "
+                  "time and then again:", "",
+                  "| mask branch | shapes met | first time, total ms | again, total ms | first - again ms |",
+                  "|---|---|---|---|---|"]
+        for name, r in (("unpadded", u), (f"padded to a multiple of {m['multiple']}", p)):
+            lines.append(f"| {name} | {r['shapes']} | {r['first_s'] * 1000:.1f} | {r['again_s'] * 1000:.1f} | "
+                         f"{(r['first_s'] - r['again_s']) * 1000:.1f} |")
+        lines += ["", "vtdense pads the branch on CUDA only (`mask_rois_multiple`, default 32): there each new "
+                  "shape costs cuDNN plans; on the CPU the padded rows are only extra work."]
     return lines
 
 

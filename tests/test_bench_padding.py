@@ -35,3 +35,21 @@ def test_coarser_grids_bound_the_shapes_and_pad_more() -> None:
         assert out[grid]["shapes_per_rank"] <= out[grid]["shapes"]
     ev = padding.eval_shapes(sizes, cfg["test_scale"], cfg["max_size"])
     assert ev[32] >= ev[64] >= ev[128] >= 1
+
+
+def test_mask_branch_cost_meets_fewer_shapes_padded() -> None:
+    out = padding.mask_roi_cost("cpu", published=False, counts=3, multiple=16)
+    assert len(out["counts"]) == 3 and all(n % 16 for n in out["counts"])
+    assert out["unpadded"]["shapes"] == 3
+    assert out["padded"]["shapes"] == len({-(-n // 16) for n in out["counts"]}) <= 3
+    for r in (out["padded"], out["unpadded"]):
+        assert r["first_s"] > 0 and r["again_s"] > 0
+    text = "\n".join(padding.markdown(_report(out)))
+    assert "padded to a multiple of 16" in text and "| unpadded | 3 |" in text
+
+
+def _report(mask: dict) -> dict:
+    train = {g: dict(shapes=1, shapes_per_rank=1, pad_fraction=0.0, pixels_vs_32=1.0) for g in padding.GRIDS}
+    recipe = dict(batch_size=1, world=1, train=train, eval={g: 1 for g in padding.GRIDS})
+    cost = dict(detector="x", batch=1, first_s=0.2, again_s=0.1, new_shape_s=0.1, measured_shapes=1)
+    return dict(images=1, sizes="s", device="cpu", published=recipe, demo=recipe, cost=cost, mask_rois=mask)
