@@ -26,6 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -68,6 +69,8 @@ class Count:
     recasts: int = 0  # casts of a float tensor already cast to that dtype in this forward (same elements)
     copies: int = 0  # clone / copy_ / _to_copy of the same dtype
     attention: list[AttentionCall] = dataclasses.field(default_factory=list)
+    peak_bytes: int = 0  # most bytes of activations live at once (storages the forward allocated)
+    saved_bytes: int = 0  # bytes of the distinct activation storages autograd keeps for the backward
 
     @property
     def total(self) -> int:
@@ -75,33 +78,80 @@ class Count:
 
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, count: Count) -> None:
+    """Counts the calls (see :class:`Count`) and follows the storages the calls allocate: a storage
+    is live from the call that creates it until the last tensor on it is collected, so the peak
+    of their sum is the forward's activation memory, as ``max_memory_allocated`` would see it
+    without workspaces. Meaningful without autograd (inference): a storage autograd saves has no
+    Python tensor left to follow (:attr:`Count.saved_bytes` measures training instead)."""
+
+    def __init__(self, count: Count, before: set[int] | None = None) -> None:
         super().__init__()
         self.count = count
-        self._cast: set[tuple] = set()
-        self._keep: list[torch.Tensor] = []
+        self._cast: set[tuple] = set()  # (storage, offset, shape, strides, dtype) of every cast source
+        self._live: dict[int, list] = {}  # storage -> [bytes, ids of the tensors on it, its cast keys]
+        self._bytes = 0
+        self._before = before or set()  # storages that existed before the forward (weights, input)
+
+    def _free(self, key: int, ident: int) -> None:
+        entry = self._live.get(key)
+        if entry is not None:
+            entry[1].discard(ident)
+            if not entry[1]:  # the storage is freed: a later tensor may get its address
+                self._bytes -= entry[0]
+                self._cast.difference_update(entry[2])
+                del self._live[key]
+
+    def _follow(self, args: tuple, kwargs: dict, out: Any) -> None:
+        inputs = None
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage()._cdata
+            if key in self._before:
+                continue
+            entry = self._live.get(key)
+            if entry is None:
+                if inputs is None:  # a view, an in-place or out= result lies on an input's storage
+                    inputs = {a.untyped_storage()._cdata for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                              if isinstance(a, torch.Tensor)}
+                if key in inputs:
+                    continue
+                entry = self._live[key] = [t.untyped_storage().nbytes(), set(), []]
+                self._bytes += entry[0]
+                self.count.peak_bytes = max(self.count.peak_bytes, self._bytes)
+            if id(t) not in entry[1]:
+                entry[1].add(id(t))
+                weakref.finalize(t, self._free, key, id(t))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        self._count(func, args, kwargs)
+        out = func(*args, **kwargs)
+        self._follow(args, kwargs, out)
+        return out
+
+    def _count(self, func: Any, args: tuple, kwargs: dict) -> None:
         name = func.overloadpacket.__name__
-        if name not in _NO_KERNEL:
-            self.count.ops[name] += 1
-            if name == "_to_copy":
-                src = args[0]
-                if isinstance(src, torch.Tensor) and kwargs.get("dtype", src.dtype) != src.dtype:
-                    self.count.casts += 1
-                    if not src.is_floating_point():  # a mask made a float: not autocast's doing
-                        return func(*args, **kwargs)
-                    key = (src.untyped_storage()._cdata, src.storage_offset(), tuple(src.shape), src.stride(),
-                           kwargs["dtype"])
-                    self.count.recasts += key in self._cast
-                    self._cast.add(key)
-                    self._keep.append(src)  # alive, so that no later tensor gets its storage's address
-                else:
-                    self.count.copies += 1
-            elif name in _COPIES:
+        if name in _NO_KERNEL:
+            return
+        self.count.ops[name] += 1
+        if name == "_to_copy":
+            src = args[0]
+            if isinstance(src, torch.Tensor) and kwargs.get("dtype", src.dtype) != src.dtype:
+                self.count.casts += 1
+                if not src.is_floating_point():  # a mask made a float: not autocast's doing
+                    return
+                key = (src.untyped_storage()._cdata, src.storage_offset(), tuple(src.shape), src.stride(),
+                       kwargs["dtype"])
+                self.count.recasts += key in self._cast
+                self._cast.add(key)
+                entry = self._live.get(key[0])
+                if entry is not None:  # forgotten when the storage is freed
+                    entry[2].append(key)
+            else:
                 self.count.copies += 1
-        return func(*args, **kwargs)
+        elif name in _COPIES:
+            self.count.copies += 1
 
 
 def _fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> str:
@@ -229,8 +279,20 @@ def count_forward(model: torch.nn.Module, make_input: Callable[[], Any], *, trai
         with grad, cuda_autocast(dtype):
             model(x)
         calls.clear()
-        with grad, cuda_autocast(dtype), _Recorder(count):
-            model(x)
+        weights = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = t.untyped_storage()._cdata
+            if key not in weights and key != x.untyped_storage()._cdata:
+                saved[key] = t.untyped_storage().nbytes()
+            return t
+
+        recorder = _Recorder(count, weights | {x.untyped_storage()._cdata})
+        with grad, cuda_autocast(dtype), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+            out = model(x)
+        del out
+        count.saved_bytes = sum(saved.values())
         count.attention = list(calls)
     return count
 
@@ -315,18 +377,20 @@ def run(cases: list | None = None, dtypes: tuple[str, ...] = ("bf16", "fp32")) -
                                  copies=c.copies,
                                  attention=len(c.attention), fused=sum(a.fused for a in c.attention),
                                  mask_copies=sum(a.mask_copied for a in c.attention),
-                                 math_reasons=sorted({a.reason for a in c.attention if not a.fused})))
+                                 math_reasons=sorted({a.reason for a in c.attention if not a.fused}),
+                                 memory_mib=round((c.saved_bytes if train else c.peak_bytes) / 2**20), train=train))
     return rows
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| case | contender | precision | ATen calls | casts (of a tensor cast before) | copies | attention calls "
-           "(fused) | mask copied in SDPA |", "|---|---|---|---|---|---|---|---|"]
+           "(fused) | mask copied in SDPA | activations MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         math = f"; math: {', '.join(r['math_reasons'])}" if r["math_reasons"] else ""
         prec = "bf16 autocast" if r["dtype"] == "bf16" else "fp32"
+        mem = f"{r['memory_mib']} {'saved' if r['train'] else 'peak'}"
         out.append(f"| {r['case']} | {r['contender']} | {prec} | {r['total']} | {r['casts']} ({r['recasts']}) | {r['copies']} | "
-                   f"{r['attention']} ({r['fused']}{math}) | {r['mask_copies']} |")
+                   f"{r['attention']} ({r['fused']}{math}) | {r['mask_copies']} | {mem} |")
     return "\n".join(out)
 
 
@@ -360,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
             f"Counted {env['date']} on fake CUDA tensors (no GPU: `FakeTensorMode`, CUDA autocast switched on "
             f"directly); torch {env['torch']}, timm {env.get('timm', '?')}, vtdense {env.get('vtdense', '?')}. "
             "Every ATen call that launches a kernel, after a warm-up forward; views are not counted, nor the "
-            "backward pass. Exact and deterministic, but not a time: see the module docstring.\n\n" + markdown(rows))
+            "backward pass. Exact and deterministic, but not a time: see the module docstring. Activations: "
+            "inference, the most bytes of tensors the forward allocated that are alive at once (`peak`); "
+            "training, the bytes of the distinct tensors autograd keeps for the backward pass (`saved`); "
+            "weights and the input excluded, kernels' workspaces not seen.\n\n" + markdown(rows))
     print(text)
     if args.write:
         write_section(text, Path(__file__).resolve().parent / "RESULTS.md")

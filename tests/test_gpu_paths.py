@@ -7,7 +7,7 @@ family runs its GPU paths in eval and training, in fp32 and under bf16 autocast,
 check what that can show: every attention call is one that SDPA's fused kernels take, its additive
 term is laid out so that SDPA reads it in place (no pad and copy in every call), and no activation
 is cast to the same dtype twice in a forward. The values of the GPU layout are checked on the CPU
-with it forced (``pads_term_rows``).
+with it forced (``gpu_layout``).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_row_padded_terms_give_the_same_values(family: str, monkeypatch: pytest.
 
     plain = {t: run(t) for t in (False, True)}
     seen = _terms_seen(monkeypatch)
-    monkeypatch.setattr(attention_mod, "_PAD_ROWS_ON_CPU", True)
+    monkeypatch.setattr(attention_mod, "_GPU_LAYOUT_ON_CPU", True)
     for train in (False, True):
         seen.clear()
         got = run(train)
@@ -164,6 +164,42 @@ def test_row_padded_terms_give_the_same_values(family: str, monkeypatch: pytest.
         # MViTv2 trains with its positions folded into q and k: no term (rel_pos_fold=False keeps
         # a term made by autograd ops, which SDPA pads in each call)
         assert seen or (train and family.startswith("mvitv2"))
+
+
+
+@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("per_window", [False, True])
+def test_swinv2_scaled_qk_written_in_the_compute_dtype_gives_the_same_bits(
+        grad: bool, per_window: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Swin V2's q and k times their float32 cosine factor (a norm, float32 under CUDA autocast),
+    written heads-first straight into bf16 (the GPU layout, forced on the CPU): the same bits as
+    the float32 product that autocast cast to bf16 for SDPA before, and the same gradients."""
+    from vtdense.backbones.swin import _scaled_heads_first
+
+    g = torch.Generator().manual_seed(0)
+    B, nW, N, h, d = 2, 3, 16, 2, 8
+    term = torch.zeros((nW, h, N, N) if per_window else (h, N, N))
+    upstream = torch.randn(2, B, nW, h, N, d, generator=g).bfloat16()
+
+    def run(gpu: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(attention_mod, "_GPU_LAYOUT_ON_CPU", gpu)
+        qk = torch.randn(B, nW, N, 2, h, d, generator=torch.Generator().manual_seed(1)).bfloat16().requires_grad_(grad)
+        factor = torch.rand(B, nW, N, 2, h, 1, generator=torch.Generator().manual_seed(2)).add(0.5).requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            out = _scaled_heads_first(qk, factor, term)
+            if gpu:
+                assert out.dtype == torch.bfloat16 and out.is_contiguous() and out.requires_grad == grad
+            else:
+                assert out.dtype == torch.float32  # autocast casts it for SDPA
+                out = out.to(torch.bfloat16)
+        if not grad:
+            return [out]
+        out.backward(upstream)
+        return [out.detach(), qk.grad, factor.grad]
+
+    plain, gpu = run(False), run(True)
+    for a, b in zip(gpu, plain):
+        assert a.dtype == b.dtype and torch.equal(a, b)
 
 
 @fake_cuda
@@ -184,6 +220,7 @@ def test_launches_report(tmp_path: Path) -> None:
         assert (r["casts"] > 0) == (r["dtype"] == "bf16")
     text = launches.markdown(rows)
     assert text.count("\n| tiny Swin inference |") == 4
+    assert all(r["memory_mib"] >= 0 and not r["train"] for r in rows) and text.count(" peak |") == 4
     out = tmp_path / "RESULTS.md"
     out.write_text("# head\n")
     launches.write_section("one", out)
@@ -191,6 +228,31 @@ def test_launches_report(tmp_path: Path) -> None:
     body = out.read_text()
     assert body.startswith("# head\n") and "two" in body and "one" not in body
 
+
+class _Steps(torch.nn.Module):
+    """Known memory: two 4 MiB temporaries alive at once, views and in-place writes that
+    allocate nothing, and one 4 MiB tensor saved for the backward pass (``sin``'s input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = x * 2  # 4 MiB
+        a.add_(1).view(-1)  # in place, a view: nothing new
+        b = a.sin()  # 4 MiB (a saved for sin's backward)
+        del a
+        c = b * 3  # 4 MiB, b still alive: 8 MiB at most so far (a freed)
+        return c
+
+
+@fake_cuda
+@pytest.mark.parametrize("train", [False, True])
+def test_launches_memory_follows_storages(train: bool) -> None:
+    count = launches.count_forward(_Steps(), lambda: torch.randn(1024, 1024, device="cuda", requires_grad=train),
+                                   train=train, dtype=None)
+    mib = 2**20
+    if train:  # autograd keeps a (for sin) alive: a, b, c at once
+        assert count.saved_bytes == 4 * mib and count.peak_bytes >= 8 * mib
+    else:
+        assert count.peak_bytes == 8 * mib and count.saved_bytes == 0
+    assert count.ops["mul"] == 2 and count.ops["add_"] == 1 and count.ops["sin"] == 1
 
 @fake_cuda
 def test_drop_path_residual_is_one_draw_and_one_addcmul_on_a_gpu() -> None:

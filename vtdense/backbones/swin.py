@@ -26,9 +26,9 @@ from torch import Tensor, nn
 
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
-from vtdense.layers.attention import TERM_ALIGN, aligned_term, attention, folds_windows, pads_term_rows
+from vtdense.layers.attention import TERM_ALIGN, aligned_term, attention, folds_windows, gpu_layout, pads_term_rows
 from vtdense.layers.chunked import chunking_applies, functorch_transform, window_slices
-from vtdense.layers.tracing import fresh_tables
+from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.layers.cpu_window_attention import (
     norm_qkv_window_attention,
     qkv_window_attention,
@@ -223,18 +223,22 @@ class WindowAttention(nn.Module):
             qk = qkv[:, :, :, :2]
             inv = torch.linalg.vector_norm(qk, dim=-1, keepdim=True).clamp_min(1e-12).reciprocal()
             scale = torch.clamp(self.logit_scale, max=_logit_scale_max()).exp().view(1, h, 1)
-            qk = qk * (inv * torch.cat((scale, torch.ones_like(scale))).to(inv.dtype))
+            factor = inv * torch.cat((scale, torch.ones_like(scale))).to(inv.dtype)
             if own_backward:
-                out = qkv_window_attention(qk, term, 1.0, v=qkv[:, :, :, 2])
+                out = qkv_window_attention(qk * factor, term, 1.0, v=qkv[:, :, :, 2])
             else:
-                q, k = _heads_first(qk, term).unbind(0)
-                v = qkv[:, :, :, 2].transpose(2, 3)
+                q, k = _scaled_heads_first(qk, factor, term).unbind(0)
+                v = _heads_first(qkv[:, :, :, 2:], term)[0]  # copied now, as attention would, when windows fold
+                qkv = qk = None  # then nothing holds the projection any more
                 out = attention(q, k, v, term, scale=1.0, dropout=dropout)
         elif own_backward:
             out = qkv_window_attention(qkv, term, (C // h) ** -0.5)
         else:
             q, k, v = _heads_first(qkv, term).unbind(0)
+            qkv = None  # a copy was made when the windows fold into the heads: free the projection first
             out = attention(q, k, v, term, dropout=dropout)
+        # q, k, v and the projection go before the next projection (in inference nothing else holds them)
+        qkv = qk = q = k = v = None  # noqa: F841
         out = out.transpose(2, 3).reshape(B, nW, N, C)
         return self.proj_drop(apply_linear(self.proj, out))
 
@@ -251,6 +255,29 @@ def _heads_first(t: Tensor, term: Tensor) -> Tensor:
     if t.device.type != "cpu" and folds_windows(term, t.dim() - 1):
         return t.contiguous()
     return t
+
+
+def _scaled_heads_first(qk: Tensor, factor: Tensor, term: Tensor) -> Tensor:
+    """Swin V2's ``q`` and ``k`` times their cosine factor, ``(B, nW, N, 2, heads, d)`` times
+    ``(B, nW, N, 2, heads, 1)`` -> ``(2, B, nW, heads, N, d)`` as :func:`_heads_first` lays it out.
+
+    Off the CPU (:func:`~vtdense.layers.attention.gpu_layout`) the product is written straight into a contiguous heads-first buffer of ``qk``'s
+    dtype: one kernel without gradients (where multiplying, copying to that layout and casting q
+    and k for SDPA took up to four, two of them through float32 tensors of twice the size), and
+    two under autocast with gradients (the product, then one cast into the buffer). The factor
+    is float32 under autocast (a norm), so the product is computed in float32 and rounded once to
+    bf16 on writing, which is the value autocast's cast for SDPA gave before: the same bits."""
+    grad = torch.is_grad_enabled() and (qk.requires_grad or factor.requires_grad)
+    if not gpu_layout(qk.device) or tracing() or (grad and factor.dtype == qk.dtype):
+        return _heads_first(qk * factor, term)  # (graphs fuse this themselves)
+    B, nW, N, n, h, d = qk.shape
+    out = qk.new_empty((n, B, nW, h, N, d))
+    into = out.permute(1, 2, 4, 0, 3, 5)  # the buffer seen in qk's layout
+    if grad:  # out= records no gradient
+        into.copy_(qk * factor)
+    else:
+        torch.mul(qk, factor, out=into)
+    return out
 
 
 def _same_values(copies: tuple[Tensor, ...] | None, params: list[Tensor]) -> bool:

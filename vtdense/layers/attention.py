@@ -33,7 +33,7 @@ from vtdense.layers.tracing import exporting
 
 __all__ = [
     "attention", "set_attention_backend", "attention_backend", "get_attention_backend", "flex_available",
-    "aligned_term", "folds_windows", "pads_term_rows", "TERM_ALIGN",
+    "aligned_term", "folds_windows", "gpu_layout", "pads_term_rows", "TERM_ALIGN",
 ]
 
 _BACKENDS = ("sdpa", "flex", "math")
@@ -47,14 +47,21 @@ _FOLD_WINDOWS = True
 TERM_ALIGN = 16
 
 
-#: tests set this to build row-padded terms on the CPU too, to check the GPU layout's values
-_PAD_ROWS_ON_CPU = False
+#: tests set this to lay attention's inputs out as on a GPU on the CPU too, to check those layouts' values
+_GPU_LAYOUT_ON_CPU = False
+
+
+def gpu_layout(device: torch.device) -> bool:
+    """Whether attention's inputs on ``device`` are laid out for SDPA's fused GPU kernels: terms
+    with rows padded to :data:`TERM_ALIGN` entries, Swin V2's scaled q and k written heads-first
+    in the compute dtype. Off the CPU (whose kernels read any strides), or where a test forces it."""
+    return device.type != "cpu" or _GPU_LAYOUT_ON_CPU
 
 
 def pads_term_rows(device: torch.device) -> bool:
     """Whether additive terms on ``device`` are built with rows padded to :data:`TERM_ALIGN`
-    entries (GPUs: SDPA's CPU kernels read any strides)."""
-    return device.type != "cpu" or _PAD_ROWS_ON_CPU
+    entries (:func:`gpu_layout`)."""
+    return gpu_layout(device)
 
 
 def aligned_term(shape: tuple[int, ...], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:

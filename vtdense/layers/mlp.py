@@ -62,12 +62,16 @@ class _GeluLinear(torch.autograd.Function):
         return grad_h, grad_w, grad_b
 
 
-def gelu_linear(h: Tensor, linear: nn.Linear) -> Tensor:
+def gelu_linear(h: Tensor, linear: nn.Linear, inplace: bool = False) -> Tensor:
     """``linear(gelu(h))``; when training eagerly it stores only ``h`` for the backward pass
-    (:class:`_GeluLinear`). ``h``: ``(..., in)`` -> ``(..., out)``."""
-    if (torch.is_grad_enabled() and not tracing() and plain_linear(linear)
-            and (h.requires_grad or linear.weight.requires_grad)):
+    (:class:`_GeluLinear`). ``inplace``: the caller owns ``h``, which may then be overwritten by
+    its GELU where no gradient flows through it (inference: one hidden-width tensor less at the
+    peak). ``h``: ``(..., in)`` -> ``(..., out)``."""
+    grad = torch.is_grad_enabled() and (h.requires_grad or linear.weight.requires_grad)
+    if grad and not tracing() and plain_linear(linear):
         return _GeluLinear.apply(h, linear.weight, linear.bias)
+    if inplace and not tracing() and not (torch.is_grad_enabled() and h.requires_grad):
+        return apply_linear(linear, torch.ops.aten.gelu_(h))
     return apply_linear(linear, F.gelu(h))
 
 
@@ -152,7 +156,7 @@ class Mlp(nn.Module):
                 and chunked_mlp_applies(x, self.fc1.out_features)):
             return self.drop(chunked_mlp(x, self.fc1, self.fc2, norm))
         h = norm_linear(x, norm, self.fc1) if norm is not None else apply_linear(self.fc1, x)
-        return self.drop(gelu_linear(h, self.fc2))
+        return self.drop(gelu_linear(h, self.fc2, inplace=plain_linear(self.fc1)))  # h is then ours alone
 
     def add_to_(self, y: Tensor, x: Tensor | None = None, norm: nn.Module | None = None,
                 post_norm: nn.Module | None = None) -> Tensor:
