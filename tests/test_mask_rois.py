@@ -101,3 +101,29 @@ def test_shapes_are_bounded_and_empty_batches_pass() -> None:
         cut = padding.cut(head, (y,), y * 2)
         assert torch.equal(y * 2 if cut is None else cut, x * 2)
     assert seen == {0, 32, 64, 96, 128, 160, 192, 224, 256}
+
+
+def test_threads_keep_their_own_counts_and_models_copy() -> None:
+    """nn.DataParallel runs one replica per GPU in its own thread, all with these hooks."""
+    import pickle
+    import threading
+
+    padding = MaskRoIPadding(8, cuda_only=False)
+    head = torch.nn.Identity()
+    first, second = torch.randn(3, 2), torch.randn(13, 2)
+    barrier = threading.Barrier(2)
+    results: dict[int, torch.Tensor] = {}
+
+    def run(x: torch.Tensor) -> None:
+        y = padding.pad(head, (x,))[0]
+        barrier.wait()  # both threads have padded before either cuts
+        results[x.shape[0]] = padding.cut(head, (y,), y)
+
+    threads = [threading.Thread(target=run, args=(x,)) for x in (first, second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(results[3], first) and torch.equal(results[13], second)
+    copied = copy.deepcopy(tiny_detector("mask_rcnn"))
+    assert isinstance(pickle.loads(pickle.dumps(copied.roi_heads.mask_roi_padding)), MaskRoIPadding)

@@ -18,6 +18,7 @@ traced (``torch.compile``, ``torch.export``, ONNX).
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import torch
@@ -45,14 +46,17 @@ class MaskRoIPadding:
             raise ValueError(f"mask_rois_multiple must be a positive int or None, got {multiple!r}")
         self.multiple = multiple
         self.cuda_only = cuda_only
-        self._rows: int | None = None  # RoIs of the call in flight, between the head and the predictor
+        # RoIs of the call in flight, between the head and the predictor, per thread (the replicas of
+        # nn.DataParallel run the same hooks in one thread per GPU); a dict, so models still copy and pickle
+        self._rows: dict[int, int] = {}
 
     def _applies(self, x: Tensor) -> bool:
         return (x.is_cuda or not self.cuda_only) and not tracing()
 
     def pad(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """Forward pre-hook of the mask head: ``(R, ...)`` -> ``(R + pad, ...)``, ``pad`` zero rows."""
-        self._rows = None
+        thread = threading.get_ident()
+        self._rows.pop(thread, None)
         x = args[0]
         if not isinstance(x, Tensor) or not self._applies(x):
             return None
@@ -60,12 +64,12 @@ class MaskRoIPadding:
         extra = -rows % self.multiple
         if not extra:
             return None
-        self._rows = rows
+        self._rows[thread] = rows
         return (torch.cat([x, x.new_zeros((extra, *x.shape[1:]))]), *args[1:])
 
     def cut(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Forward hook of the mask predictor: drops the padded rows of its logits."""
-        rows, self._rows = self._rows, None
+        rows = self._rows.pop(threading.get_ident(), None)
         if rows is None or not isinstance(output, Tensor):
             return None
         return output[:rows]
