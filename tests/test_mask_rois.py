@@ -42,8 +42,10 @@ def test_published_detector_pads_on_cuda_only() -> None:
 
 @pytest.mark.parametrize("value", [0, -8, 2.5, True, "32"])
 def test_bad_multiple_is_refused_by_name(value: object) -> None:
-    with pytest.raises(ValueError, match="mask_rois_multiple"):
+    with pytest.raises(ValueError, match=r"mask_rois_multiple must be a positive int or null \(option 'mask_rois_multiple'\)"):
         tiny_detector("mask_rcnn", mask_rois_multiple=value)
+    with pytest.raises(ValueError, match="mask_rois_multiple"):
+        MaskRoIPadding(value)  # type: ignore[arg-type]
 
 
 def test_training_loss_and_gradients_equal_unpadded() -> None:

@@ -252,7 +252,7 @@ def _heads_first(t: Tensor, term: Tensor) -> Tensor:
     three). The CPU's inference path reads the strided layout in place, and its training path
     does not come here."""
     t = t.permute(3, 0, 1, 4, 2, 5)
-    if t.device.type != "cpu" and folds_windows(term, t.dim() - 1):
+    if gpu_layout(t.device) and folds_windows(term, t.dim() - 1):
         return t.contiguous()
     return t
 
@@ -261,12 +261,13 @@ def _scaled_heads_first(qk: Tensor, factor: Tensor, term: Tensor) -> Tensor:
     """Swin V2's ``q`` and ``k`` times their cosine factor, ``(B, nW, N, 2, heads, d)`` times
     ``(B, nW, N, 2, heads, 1)`` -> ``(2, B, nW, heads, N, d)`` as :func:`_heads_first` lays it out.
 
-    Off the CPU (:func:`~vtdense.layers.attention.gpu_layout`) the product is written straight into a contiguous heads-first buffer of ``qk``'s
-    dtype: one kernel without gradients (where multiplying, copying to that layout and casting q
-    and k for SDPA took up to four, two of them through float32 tensors of twice the size), and
-    two under autocast with gradients (the product, then one cast into the buffer). The factor
-    is float32 under autocast (a norm), so the product is computed in float32 and rounded once to
-    bf16 on writing, which is the value autocast's cast for SDPA gave before: the same bits."""
+    Off the CPU (:func:`~vtdense.layers.attention.gpu_layout`) the product is written straight
+    into a contiguous heads-first buffer of ``qk``'s dtype: one kernel without gradients (where
+    multiplying, copying to that layout and casting q and k for SDPA took up to four, two of them
+    through float32 tensors of twice the size), and two under autocast with gradients (the
+    product, then one cast into the buffer). The factor is float32 under autocast (a norm), so the
+    product is computed in float32 and rounded once to bf16 on writing, which is the value
+    autocast's cast for SDPA gave before: the same bits."""
     grad = torch.is_grad_enabled() and (qk.requires_grad or factor.requires_grad)
     if not gpu_layout(qk.device) or tracing() or (grad and factor.dtype == qk.dtype):
         return _heads_first(qk * factor, term)  # (graphs fuse this themselves)

@@ -32,7 +32,7 @@ from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxP
 
 from vtdense.backbones.base import Backbone
 from vtdense.layers.cpu_linear import apply_linear
-from vtdense.models.mask_rois import pad_mask_rois
+from vtdense.models.mask_rois import check_mask_rois_multiple, pad_mask_rois
 
 __all__ = [
     "HEADS",
@@ -450,10 +450,7 @@ def build_detector(
         raise ValueError(f"backbone must be a vtdense Backbone or a backbone name, got {type(backbone).__name__}")
     if mask_head_layers < 1:
         raise ValueError(f"mask_head_layers must be >= 1, got {mask_head_layers}")
-    if mask_rois_multiple is not None and (
-        isinstance(mask_rois_multiple, bool) or not isinstance(mask_rois_multiple, int) or mask_rois_multiple < 1
-    ):
-        raise ValueError(f"mask_rois_multiple must be a positive int or None, got {mask_rois_multiple!r}")
+    check_mask_rois_multiple(mask_rois_multiple)
     if backbone_weights is not None:
         from vtdense.checkpoints.convert import load_pretrained
 

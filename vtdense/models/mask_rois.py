@@ -26,7 +26,18 @@ from torch import Tensor, nn
 
 from vtdense.layers.tracing import tracing
 
-__all__ = ["MaskRoIPadding", "pad_mask_rois"]
+__all__ = ["MaskRoIPadding", "check_mask_rois_multiple", "pad_mask_rois"]
+
+
+def check_mask_rois_multiple(value: Any) -> int | None:
+    """``value`` as the ``mask_rois_multiple`` option: a positive int, or ``None`` (off).
+
+    Raises:
+        ValueError: anything else, naming the option.
+    """
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"mask_rois_multiple must be a positive int or null (option 'mask_rois_multiple'), got {value!r}")
+    return value
 
 
 class MaskRoIPadding:
@@ -42,8 +53,8 @@ class MaskRoIPadding:
     """
 
     def __init__(self, multiple: int, cuda_only: bool = True) -> None:
-        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1:
-            raise ValueError(f"mask_rois_multiple must be a positive int or None, got {multiple!r}")
+        if check_mask_rois_multiple(multiple) is None:
+            raise ValueError("MaskRoIPadding needs a multiple; pad_mask_rois(..., None) installs none")
         self.multiple = multiple
         self.cuda_only = cuda_only
         # RoIs of the call in flight, between the head and the predictor, per thread (the replicas of

@@ -40,6 +40,7 @@ from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
 from vtdense.models.compile import check_compile_option
 from vtdense.models.detection import HEADS, build_detector, list_heads, set_size_divisibility
+from vtdense.models.mask_rois import check_mask_rois_multiple
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import adamw, apply_layer_decay, param_groups, warmup_schedule
 
@@ -266,12 +267,7 @@ class DetectionTask(BaseTask):
             isinstance(size_divisibility, bool) or not isinstance(size_divisibility, int) or size_divisibility < 1
         ):
             raise ValueError(f"size_divisibility must be a positive int (option 'size_divisibility'), got {size_divisibility!r}")
-        if mask_rois_multiple is not None and (
-            isinstance(mask_rois_multiple, bool) or not isinstance(mask_rois_multiple, int) or mask_rois_multiple < 1
-        ):
-            raise ValueError(
-                f"mask_rois_multiple must be a positive int or null (option 'mask_rois_multiple'), got {mask_rois_multiple!r}"
-            )
+        check_mask_rois_multiple(mask_rois_multiple)
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         check_compile_option(compile_backbone)
         self.save_hyperparameters()
