@@ -164,7 +164,9 @@ def _fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     """Why neither fused CUDA kernel would take these inputs ("" when one does). The conditions of
     torch's ``sdp_utils`` (``use_mem_efficient_attention`` / ``use_flash_attention``) that depend on
     the inputs, not on the device: 4-D ``q, k, v`` of one floating dtype with unit-stride last dims
-    and a head dim that is a multiple of 8, and a mask that is boolean or of ``q``'s dtype."""
+    and a head dim that is a multiple of 8, and a mask that is boolean or of ``q``'s dtype with a
+    unit-stride last dim (``check_last_dim_stride_equals_1_dense``: GPU backends require it of the
+    mask too; a transposed bias view sent 7 of Swin-T's 12 calls to the math path on the H100)."""
     if not (q.dim() == k.dim() == v.dim() == 4):
         return f"{q.dim()}-D inputs (fused kernels take 4-D)"
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -175,6 +177,8 @@ def _fused_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         return f"head dims {q.shape[-1]}, {v.shape[-1]}"
     if mask is not None and mask.dtype not in (torch.bool, q.dtype):
         return f"mask dtype {mask.dtype} with {q.dtype} queries"
+    if mask is not None and mask.stride(-1) != 1:
+        return "a mask whose last dim has stride != 1"
     return ""
 
 
@@ -206,7 +210,7 @@ class FusedAttentionStandIn(TorchFunctionMode):
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(low)
         reason = _fused_reason(q, k, v, mask)
-        copied = mask is not None and (mask.stride(-1) != 1 or any(s % 16 for s in mask.stride()[:-1]))
+        copied = mask is not None and any(s % 16 for s in mask.stride()[:-1])
         self.calls.append(AttentionCall(tuple(q.shape), tuple(str(t.dtype).replace("torch.", "") for t in (q, k, v))
                                         + (str(mask.dtype).replace("torch.", "") if mask is not None else "none",),
                                         not reason, reason, bool(copied and not reason)))

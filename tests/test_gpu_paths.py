@@ -229,6 +229,22 @@ def test_launches_report(tmp_path: Path) -> None:
     assert body.startswith("# head\n") and "two" in body and "one" not in body
 
 
+@fake_cuda
+def test_stand_in_sends_a_transposed_mask_to_the_math_path() -> None:
+    """GPU backends of SDPA require a unit-stride last dim of the mask as of q, k, v (torch's
+    ``check_last_dim_stride_equals_1_dense``); the stand-in must report such a call as unfused, as
+    the H100 ran 7 of 12 Swin-T calls on d3d489e, whose bias was a transposed view."""
+    import torch.nn.functional as F
+
+    with launches.fake_cuda() as calls:
+        q = torch.randn(4, 3, 49, 32, device="cuda", dtype=torch.bfloat16)
+        bias = torch.randn(49, 49, 3, device="cuda", dtype=torch.bfloat16)
+        for mask in (bias.permute(2, 0, 1)[None], bias.permute(2, 0, 1).contiguous()[None]):
+            F.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    assert [c.fused for c in calls] == [False, True]
+    assert calls[0].reason == "a mask whose last dim has stride != 1"
+    assert calls[1].mask_copied  # 49-entry rows: SDPA pads them (a copy), but the kernel is fused
+
 class _Steps(torch.nn.Module):
     """Known memory: two 4 MiB temporaries alive at once, views and in-place writes that
     allocate nothing, and one 4 MiB tensor saved for the backward pass (``sin``'s input)."""
