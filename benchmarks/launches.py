@@ -18,8 +18,8 @@ a GPU (``attention_kernels.py --device cuda``) remains the proof.
 It also follows the memory of the forward: the storages each call allocates, live until the last
 tensor on them is collected. In inference it reports their peak (``max_memory_allocated`` of the
 forward, less kernels' workspaces); in training, the bytes autograd keeps for the backward pass.
-On the commit the issue's H100 figures were measured on, these counts gave the measured memory
-ratios wherever the stand-in's kernel choice was the GPU's (``benchmarks/RESULTS.md``).
+On the commit the issue's H100 figures were measured on, these counts give every memory ratio
+measured there, and the stand-in the math-path calls of its profile (``benchmarks/RESULTS.md``).
 
     python benchmarks/launches.py                  # the table, printed
     python benchmarks/launches.py --write          # and the section of benchmarks/RESULTS.md
