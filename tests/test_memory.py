@@ -117,3 +117,31 @@ def test_swin_training_keeps_less_than_timm_with_the_same_gradients() -> None:
     for name, g in g_ref.items():
         scale = g.abs().max().item() + 1e-12
         assert (g_ours[name] - g).abs().max().item() <= 1e-4 * scale + 1e-6, name
+
+
+def test_patch_merging_keeps_only_its_gathered_input_for_the_backward() -> None:
+    """Swin V1's patch merging (norm, then reduction) runs as ``norm_linear``: training keeps the
+    gathered 4C input alone, not the normalised copy too, with plain autograd's gradients."""
+    from vtdense.backbones.swin import PatchMerging
+
+    torch.manual_seed(0)
+    merge = PatchMerging(8, 16)
+    randomize_(merge.norm, std=0.5)
+    x = torch.randn(2, 6, 10, 8)
+    saved_mib = _saved_mib(merge, x.requires_grad_(True))
+    gathered_mib = x.numel() * 4 / 2**20  # the 2x2 neighbours concatenated: as many elements as x
+    assert abs(saved_mib - gathered_mib) < 1e-9, (saved_mib, gathered_mib)
+
+    def grads(fused: bool) -> list[torch.Tensor]:
+        merge.zero_grad()
+        xi = x.detach().requires_grad_(True)
+        if fused:
+            y = merge(xi)
+        else:
+            g = xi.reshape(2, 3, 2, 5, 2, 8).permute(0, 1, 3, 4, 2, 5).flatten(3)
+            y = merge.reduction(merge.norm(g))
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        return [y.detach(), xi.grad, merge.norm.weight.grad, merge.norm.bias.grad, merge.reduction.weight.grad]
+
+    for a, b in zip(grads(True), grads(False)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -408,7 +408,9 @@ class PatchMerging(nn.Module):
             H, W = H + H % 2, W + W % 2
         # order of the four neighbours: (0,0), (1,0), (0,1), (1,1) -- the original Swin order
         x = x.reshape(B, H // 2, 2, W // 2, 2, C).permute(0, 1, 3, 4, 2, 5).flatten(3)
-        return self.norm(apply_linear(self.reduction, x)) if self.post_norm else apply_linear(self.reduction, self.norm(x))
+        if self.post_norm:
+            return self.norm(apply_linear(self.reduction, x))
+        return norm_linear(x, self.norm, self.reduction)  # training keeps x alone: the norm is recomputed
 
 
 class PatchEmbed(nn.Module):
