@@ -17,6 +17,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 import vtdense
+from probe import probe_loss
 
 # A shifted block in stage 3; window 4 so that every stage map (>= 160 px input) is larger than
 # the window and stage maps both tile exactly and need padding across these sizes.
@@ -105,10 +106,10 @@ def _assert_compiled_training_is_one_graph_like_eager(name: str, sizes: list, **
         for m in (compiled, model):
             model.zero_grad()
             torch.manual_seed(i)  # the same drop-path draws in both
-            sum(f.square().mean() for f in m(x).values()).backward()
+            probe_loss(m(x)).backward()
             grads.append([p.grad.clone() for p in model.parameters()])
-        for a, b in zip(*grads):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        for a, b in zip(*grads):  # probe-loss gradients are of order 1e-3 to 1
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
 
 
@@ -130,6 +131,51 @@ def test_compiled_training_with_grad_checkpointing_is_one_graph(name: str) -> No
     second region ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer").
     One graph, eager's gradients, no recompilation over three sizes."""
     _assert_compiled_training_is_one_graph_like_eager(name, FIRST + MORE[:1], grad_checkpointing=True)
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_gpu_code_path_under_autocast_compiles_to_one_graph_at_changing_sizes(
+    name: str, train: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a GPU compiles: attention's inputs laid out as on a GPU (row-padded terms, Swin V2's q
+    and k written heads-first in bf16, SDPA rather than the CPU's opaque window op) under bf16
+    autocast. ``dynamic=True, fullgraph=True``: one graph at the first size, none more over five
+    other sizes, in eval and in training. Compiled outputs are eager's; compiled bf16 gradients are
+    as close to float32 eager's as eager bf16's are (bf16 sums in another order differ by a few
+    percent, in both directions). Only Inductor's code generation is left to a GPU
+    (``benchmarks/gpu_check.py``)."""
+    import vtdense.layers.attention as attention_mod
+
+    monkeypatch.setattr(attention_mod, "_GPU_LAYOUT_ON_CPU", True)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = vtdense.create_backbone(name.split("-")[0], **FAMILIES[name]).train(train)
+    compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")
+
+    def run(m: torch.nn.Module, x: torch.Tensor, bf16: bool = True) -> torch.Tensor:
+        model.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16, enabled=bf16), torch.set_grad_enabled(train):
+            out = m(x)
+        assert all(o.dtype == (torch.bfloat16 if bf16 else torch.float32) for o in out.values())
+        if not train:
+            return torch.cat([o.float().flatten() for o in out.values()])
+        probe_loss(out).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    for size in [FIRST[0], *MORE]:
+        x = torch.randn(1, 3, *size)
+        got, eager = run(compiled, x), run(model, x)
+        if not train:
+            torch.testing.assert_close(got, eager, rtol=1e-2, atol=1e-3)
+            continue
+        exact = run(model, x, bf16=False)
+        err_got, err_eager = (got - exact).norm(), (eager - exact).norm()
+        # (these tiny default-initialised models round by up to ~10% in bf16; the full-size models
+        # round as timm's do: tests/test_precision.py::test_bf16_training_is_as_accurate_as_timm)
+        assert err_got <= 1.5 * err_eager and err_got <= 0.5 * exact.norm(), (size, err_got, err_eager, exact.norm())
+    assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
 
 
 def test_window_cache_ops_match_their_fake_shapes_and_hand_out_copies() -> None:
