@@ -217,6 +217,7 @@ def test_box_math_stays_fp32_under_autocast() -> None:
 
         return hook
 
+    model.backbone.register_forward_hook(lambda m, args, out: seen.update(fpn=next(iter(out.values())).dtype) and None)
     model.rpn.head.register_forward_hook(record("rpn", 1))
     model.roi_heads.box_predictor.register_forward_hook(record("box", 1))
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -226,7 +227,7 @@ def test_box_math_stays_fp32_under_autocast() -> None:
         with torch.no_grad():
             dets = model(images)
     assert all(torch.isfinite(v) for v in losses.values())
-    assert seen == {"rpn": torch.float32, "box": torch.float32}
+    assert seen == {"fpn": torch.bfloat16, "rpn": torch.float32, "box": torch.float32}  # bf16 features, fp32 box math
     assert dets[0]["boxes"].dtype == torch.float32 and dets[0]["scores"].dtype == torch.float32
 
 

@@ -33,10 +33,14 @@ def test_bf16_autocast_predictions_are_float32_and_close_to_fp32(head: str) -> N
         "swin_tiny", head, 3, fpn_channels=64, backbone_kwargs=TINY, slim_heads=True, score_thresh=0.0
     ).eval()
     images = [torch.rand(3, 224, 320), torch.rand(3, 300, 200)]
+    fpn: list[set[torch.dtype]] = []
+    model.backbone.register_forward_hook(lambda m, args, out: fpn.append({t.dtype for t in out.values()}))
     with torch.no_grad():
         ref = model(images)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = model(images)
+    assert fpn == [{torch.float32}, {torch.bfloat16}]  # the second forward did run in bf16
+    assert not torch.equal(ref[0]["scores"], out[0]["scores"])
     for r, o in zip(ref, out):
         assert o["boxes"].dtype == torch.float32 and o["scores"].dtype == torch.float32
         assert o["labels"].dtype == torch.int64
@@ -76,8 +80,10 @@ def test_bf16_autocast_box_decoding_runs_in_float32(head: str) -> None:
         m.register_forward_hook(record(name))
     model.anchor_generator.register_forward_hook(record("anchors")) if head != "mask_rcnn" else \
         model.rpn.anchor_generator.register_forward_hook(record("anchors"))
+    model.backbone.register_forward_hook(record("fpn"))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         model([torch.rand(3, 160, 224)])
+    assert set(seen.pop("fpn")) == {torch.bfloat16}  # autocast ran: the features the heads get are bf16
     assert set(seen) == set(heads) | {"anchors"}
     for name, dtypes in seen.items():
         assert set(dtypes) == {torch.float32}, name
@@ -176,10 +182,12 @@ def test_bf16_mvitv2_at_1024_is_finite() -> None:
     assert feats["stage1"].shape[-2:] == (256, 256)
 
 
-def _bf16_errors(model: torch.nn.Module, x: torch.Tensor, features: Callable[[torch.Tensor], list[torch.Tensor]]) -> tuple[float, dict[str, float]]:
+def _bf16_errors(
+    model: torch.nn.Module, x: torch.Tensor, features: Callable[[torch.Tensor], list[torch.Tensor]]
+) -> tuple[float, dict[str, float], dict[str, float]]:
     """Training under CPU bf16 autocast against float32, same weights and input: the relative error
-    of the outputs, and each parameter's gradient error (of :func:`probe_loss`) over the norm of the
-    whole float32 gradient."""
+    of the outputs; each parameter's gradient error (of :func:`probe_loss`) and its float32
+    gradient's norm, both over the norm of the whole float32 gradient."""
     runs = []
     for bf16 in (False, True):
         model.zero_grad()
@@ -191,7 +199,8 @@ def _bf16_errors(model: torch.nn.Module, x: torch.Tensor, features: Callable[[to
     (out32, g32), (out16, g16) = runs
     assert g32.keys() == g16.keys()
     scale = torch.cat([g.flatten() for g in g32.values()]).norm()
-    return float((out16 - out32).norm() / out32.norm()), {n: float((g16[n] - g32[n]).norm() / scale) for n in g32}
+    errors = {n: float((g16[n] - g32[n]).norm() / scale) for n in g32}
+    return float((out16 - out32).norm() / out32.norm()), errors, {n: float(g.norm() / scale) for n, g in g32.items()}
 
 
 @pytest.mark.parametrize(
@@ -210,13 +219,17 @@ def test_bf16_training_is_as_accurate_as_timm(timm_name: str, name: str, size: i
     ours = vtdense.create_backbone(name, out_norm=False, drop_path_rate=0.0).train()
     vtdense.load_pretrained(ours, ref.state_dict())
     x = torch.randn(1, 3, size, size)
-    theirs_out, theirs = _bf16_errors(ref, x, lambda x: ref.forward_intermediates(x, intermediates_only=True))
-    ours_out, mine = _bf16_errors(ours, x, lambda x: list(ours(x).values()))
+    theirs_out, theirs, _ = _bf16_errors(ref, x, lambda x: ref.forward_intermediates(x, intermediates_only=True))
+    ours_out, mine, sizes = _bf16_errors(ours, x, lambda x: list(ours(x).values()))
     assert 1e-3 < theirs_out < 0.05  # autocast ran, and timm's rounding is bf16's
     assert ours_out <= 1.2 * theirs_out, (ours_out, theirs_out)
     their_total = math.sqrt(sum(e * e for e in theirs.values()))
     assert 1e-3 < their_total < 0.1
     assert math.sqrt(sum(e * e for e in mine.values())) <= 1.2 * their_total
     assert mine.keys() == theirs.keys()  # timm's own names; its head and final norm get no gradient
-    for n in mine:
-        assert mine[n] <= 1.5 * theirs[n] + 0.1 * their_total / math.sqrt(len(mine)), (n, mine[n], theirs[n])
+    # each parameter, against its own gradient's size (the parameters whose gradient is zero but for
+    # rounding, such as the bias of the keys' norm before a softmax, left out: both are noise there)
+    checked = [n for n in mine if sizes[n] > 1e-6]
+    assert len(checked) >= len(mine) - 12
+    for n in checked:
+        assert mine[n] <= 1.5 * theirs[n] + 0.05 * sizes[n], (n, mine[n], theirs[n], sizes[n])

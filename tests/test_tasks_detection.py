@@ -188,7 +188,7 @@ def test_fit_reduces_loss_and_uses_datamodule_classes(coco_root: Path, tmp_path:
         backbone_kwargs=TINY,
         head="faster_rcnn",
         num_classes=None,  # taken from the datamodule
-        lr=2e-3,
+        lr=5e-4,  # at 2e-3 AdamW overshoots on this one batch (2.8 -> 2.3 -> 5.6)
         warmup_steps=2,
         lr_schedule="step",
         lr_milestones=[4.4],
@@ -207,6 +207,9 @@ def test_fit_reduces_loss_and_uses_datamodule_classes(coco_root: Path, tmp_path:
 
         def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int) -> None:
             self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
+            # the same RPN / RoI sampling draws at every step (the batch is the same too): without
+            # them the loss moves by ~10% from step to step with no weight update at all
+            torch.manual_seed(0)
 
         def on_train_batch_end(
             self, trainer: L.Trainer, module: L.LightningModule, outputs: Any, batch: Any, idx: int
@@ -217,9 +220,10 @@ def test_fit_reduces_loss_and_uses_datamodule_classes(coco_root: Path, tmp_path:
     tr = trainer(tmp_path, max_epochs=6, limit_train_batches=1, limit_val_batches=1, callbacks=[cb], log_every_n_steps=1)
     tr.fit(task, datamodule=dm)
     assert task.hparams["num_classes"] == 2
-    assert min(cb.losses[3:]) < 0.95 * cb.losses[0], cb.losses
+    # with the draws fixed, a run without weight updates keeps its loss to 1e-6; this one falls ~20%
+    assert sum(cb.losses[3:]) / 3 < 0.9 * cb.losses[0], cb.losses  # 0.82 here
     # linear warmup over 2 steps from lr * 1e-3, then x0.1 at epoch 4.4 -> step 4 (1 step per epoch)
-    assert cb.lrs == pytest.approx([2e-6, 2e-3 * 0.5005, 2e-3, 2e-3, 2e-4, 2e-4])
+    assert cb.lrs == pytest.approx([5e-7, 5e-4 * 0.5005, 5e-4, 5e-4, 5e-5, 5e-5])
     logged = tr.logged_metrics
     for key in ("train/loss", "train/loss_classifier", "train/loss_box_reg", "train/loss_objectness", "val/bbox_mAP"):
         assert key in logged, key
@@ -247,8 +251,7 @@ def test_optimizer_groups_skip_decay_on_norms_biases_and_tables() -> None:
     assert decay, "some parameters must decay"
     for pid, name in names.items():
         no_decay = name.endswith(".bias") or "norm" in name or "relative_position_bias_table" in name
-        if no_decay:
-            assert pid not in decay, name
+        assert (pid in decay) == (not no_decay), name
     assert conf["lr_scheduler"]["interval"] == "step"
 
 
@@ -298,7 +301,10 @@ def test_bf16_mixed_fit_and_validate(coco_root: Path, tmp_path: Path) -> None:
     tr = trainer(
         tmp_path, max_epochs=1, limit_train_batches=2, limit_val_batches=1, precision="bf16-mixed", log_every_n_steps=1
     )
+    fpn: set[torch.dtype] = set()
+    task.model.backbone.register_forward_hook(lambda m, args, out: fpn.update(t.dtype for t in out.values()))
     tr.fit(task, datamodule=datamodule(coco_root))
+    assert fpn == {torch.bfloat16}  # every forward, training and validation, ran under bf16 autocast
     assert torch.isfinite(tr.logged_metrics["train/loss"])
     assert tr.logged_metrics["val/bbox_mAP"] >= 0.0
     assert json.loads((Path(tr.log_dir) / "bbox.json").read_text())  # detections were written

@@ -209,7 +209,12 @@ class BaseTask(LightningModule):
         optimizer's amp handling (``_step_supports_amp_scaling``, read by Lightning and the grad
         scaler) follows the choice made now: a checkpoint of a fused run resumed with clipping under
         mixed precision, or an older unfused one resumed where fused applies, would mix the two.
+
+        Rank 0 also prints where a resumed run goes on from (``resumed at epoch E, step S from
+        PATH``): the state the checkpoint restored, not the one asked for.
         """
+        if self.trainer.ckpt_path is not None and self.trainer.is_global_zero:
+            print(f"resumed at epoch {self.current_epoch}, step {self.global_step} from {self.trainer.ckpt_path}", flush=True)
         for opt in self.trainer.optimizers:
             if not isinstance(opt, torch.optim.AdamW) or "fused" not in opt.defaults:
                 continue
