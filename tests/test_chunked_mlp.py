@@ -166,7 +166,8 @@ def test_backbone_gradients_with_chunked_mlp_match_unchunked(name: str, monkeypa
         _assert_close(a, b, "features")
     assert grads.keys() == grads_ref.keys() and len(grads) == len(list(model.parameters()))
     # key-norm biases shift every logit of a query row equally (softmax ignores that): their true
-    # gradient is 0 and their computed one rounding noise, so the floor is the largest gradient's
+    # gradient is 0 and their computed one rounding noise, so their floor is the largest gradient's;
+    # every other parameter is held to its own scale
     floor = 1e-5 * max(g.abs().max().item() for g in grads_ref.values())
     for n, g in grads_ref.items():
-        _assert_close(grads[n], g, n, floor)
+        _assert_close(grads[n], g, n, floor if n.endswith("norm_k.bias") else 1e-7)

@@ -141,41 +141,52 @@ def test_gpu_code_path_under_autocast_compiles_to_one_graph_at_changing_sizes(
     """What a GPU compiles: attention's inputs laid out as on a GPU (row-padded terms, Swin V2's q
     and k written heads-first in bf16, SDPA rather than the CPU's opaque window op) under bf16
     autocast. ``dynamic=True, fullgraph=True``: one graph at the first size, none more over five
-    other sizes, in eval and in training. Compiled outputs are eager's; compiled bf16 gradients are
-    as close to float32 eager's as eager bf16's are (bf16 sums in another order differ by a few
-    percent, in both directions). Only Inductor's code generation is left to a GPU
-    (``benchmarks/gpu_check.py``)."""
+    other sizes, in eval and in training. Compiled outputs are eager's, and so is every parameter's
+    gradient: to float32 rounding on the same path without autocast, parameter by parameter; under
+    autocast, all gradients together within bf16's rounding of sums taken in another order (a few
+    percent, up to 18% for single small parameters). Weights are random and of order one, so that no branch is too small to see. Only
+    Inductor's code generation is left to a GPU (``benchmarks/gpu_check.py``)."""
     import vtdense.layers.attention as attention_mod
+    from tests.test_swin import randomize_
 
     monkeypatch.setattr(attention_mod, "_GPU_LAYOUT_ON_CPU", True)
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = vtdense.create_backbone(name.split("-")[0], **FAMILIES[name]).train(train)
+    model = randomize_(vtdense.create_backbone(name.split("-")[0], **FAMILIES[name]), std=0.1).train(train)
     compiled = torch.compile(model, dynamic=True, fullgraph=True, backend="eager")
 
-    def run(m: torch.nn.Module, x: torch.Tensor, bf16: bool = True) -> torch.Tensor:
+    def run(m: torch.nn.Module, x: torch.Tensor, bf16: bool = True) -> dict[str, torch.Tensor]:
         model.zero_grad()
         with torch.autocast("cpu", torch.bfloat16, enabled=bf16), torch.set_grad_enabled(train):
             out = m(x)
         assert all(o.dtype == (torch.bfloat16 if bf16 else torch.float32) for o in out.values())
         if not train:
-            return torch.cat([o.float().flatten() for o in out.values()])
+            return {k: o.float() for k, o in out.items()}
         probe_loss(out).backward()
-        return torch.cat([p.grad.flatten() for p in model.parameters()])
+        # the keys' norm bias shifts every logit of a query alike: its true gradient is zero
+        return {n: p.grad.clone() for n, p in model.named_parameters() if not n.endswith("norm_k.bias")}
 
     for size in [FIRST[0], *MORE]:
         x = torch.randn(1, 3, *size)
         got, eager = run(compiled, x), run(model, x)
+        assert got.keys() == eager.keys()
         if not train:
-            torch.testing.assert_close(got, eager, rtol=1e-2, atol=1e-3)
+            for k in eager:
+                assert (got[k] - eager[k]).norm() <= 1e-2 * eager[k].norm(), (size, k)
             continue
-        exact = run(model, x, bf16=False)
-        err_got, err_eager = (got - exact).norm(), (eager - exact).norm()
-        # (these tiny default-initialised models round by up to ~10% in bf16; the full-size models
-        # round as timm's do: tests/test_precision.py::test_bf16_training_is_as_accurate_as_timm)
-        assert err_got <= 1.5 * err_eager and err_got <= 0.5 * exact.norm(), (size, err_got, err_eager, exact.norm())
+        flat = [torch.cat([g[k].flatten() for k in eager]) for g in (got, eager)]
+        assert (flat[0] - flat[1]).norm() <= 0.1 * flat[1].norm(), size  # MViTv2: 6%
     assert counters["stats"]["unique_graphs"] == 1, counters["stats"]
+    if not train:
+        return
+    # per parameter, on the same path in float32 (autocast off is a new graph, compiled once here)
+    for size in MORE[:2]:
+        x = torch.randn(1, 3, *size)
+        got, eager = run(compiled, x, bf16=False), run(model, x, bf16=False)
+        for k in eager:
+            assert eager[k].norm() > 0, k
+            assert (got[k] - eager[k]).norm() <= 1e-5 * eager[k].norm(), (size, k)
 
 
 def test_window_cache_ops_match_their_fake_shapes_and_hand_out_copies() -> None:

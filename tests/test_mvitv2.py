@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import timm
 import torch
@@ -16,7 +17,7 @@ import vtdense
 from vtdense.backbones import mvitv2 as mvitv2_module
 from vtdense.backbones.mvitv2 import MultiScaleAttention, MViTv2
 from vtdense.checkpoints.convert import CheckpointError
-from vtdense.layers.position import decomposed_rel_pos_bias, resize_rel_pos_table
+from vtdense.layers.position import decomposed_rel_pos_bias
 from probe import probe_loss
 
 NAMES = ["mvitv2_tiny", "mvitv2_small", "mvitv2_base", "mvitv2_large"]
@@ -77,6 +78,40 @@ def test_parity_with_timm_tiny_224() -> None:
         assert g.shape == e.shape, k
         assert (g - e).abs().max().item() < 1e-4, k
         assert e.std() > 0.5  # the comparison is not between near-constant maps
+
+
+def _interp_rows(table: np.ndarray, rows: int) -> np.ndarray:
+    """The official MViTv2 resample of a ``(L, C)`` position table to ``rows`` rows
+    (``F.interpolate(mode="linear")``, half-pixel centres), written out with numpy: output row ``i``
+    reads the input at ``(i + 0.5) * L / rows - 0.5``, clipped to the ends."""
+    at = np.clip((np.arange(rows) + 0.5) * table.shape[0] / rows - 0.5, 0, table.shape[0] - 1)
+    return np.stack([np.interp(at, np.arange(table.shape[0]), column) for column in table.T], axis=1)
+
+
+def test_parity_with_timm_at_another_input_size() -> None:
+    """224-px weights run at 256 px: vtdense resamples the position tables as it runs; timm's model
+    built for 256 px, given the same weights with its tables resampled by :func:`_interp_rows`,
+    computes the same features (timm indexes its tables as they are, so it is the reference only
+    once they are resampled outside it)."""
+    torch.manual_seed(0)
+    ref224 = randomize_(timm.create_model("mvitv2_tiny", pretrained=False)).eval()
+    ours = vtdense.create_backbone("mvitv2_tiny", out_norm=False).eval()
+    vtdense.load_pretrained(ours, ref224.state_dict())
+    ref256 = timm.create_model("mvitv2_tiny", pretrained=False, img_size=256).eval()
+    target = ref256.state_dict()
+    sd = {}
+    for k, v in ref224.state_dict().items():
+        if v.shape != target[k].shape:
+            assert ".rel_pos_" in k, k
+            v = torch.from_numpy(_interp_rows(v.double().numpy(), target[k].shape[0])).float()
+        sd[k] = v
+    assert sum(".rel_pos_" in k and sd[k].shape != ref224.state_dict()[k].shape for k in sd) >= 10
+    ref256.load_state_dict(sd)
+    x = torch.randn(1, 3, 256, 256)
+    with torch.no_grad():
+        for e, g in zip(timm_features(ref256, x), ours(x).values()):
+            assert g.shape == e.shape and e.std() > 0.5
+            assert (g - e).abs().max().item() < 1e-4
 
 
 def test_parity_with_timm_large_layout_and_features_only_keys() -> None:
@@ -151,7 +186,9 @@ def test_checkpoint_errors_and_table_resize() -> None:
     vtdense.load_pretrained(bigger, sd)  # position tables resampled for the larger nominal size
     key = "stages.0.blocks.0.attn.rel_pos_h"
     assert bigger.state_dict()[key].shape[0] == 2 * 112 - 1
-    assert torch.equal(bigger.state_dict()[key], resize_rel_pos_table(sd[key], 2 * 112 - 1))
+    old = sd[key].numpy()
+    expected = _interp_rows(old, 2 * 112 - 1)
+    assert old.std() > 0.01 and np.abs(bigger.state_dict()[key].numpy() - expected).max() < 1e-5 * np.abs(old).max()
     with pytest.raises(CheckpointError, match="missing keys"):
         vtdense.load_pretrained(vtdense.create_backbone("mvitv2_small"), sd)
     with pytest.raises(CheckpointError, match="does not exist"):
@@ -165,12 +202,12 @@ def test_checkpoint_errors_and_table_resize() -> None:
 def test_decomposed_rel_pos_matches_timm() -> None:
     g = torch.Generator().manual_seed(0)
     for (qh, qw), (kh, kw) in [((8, 8), (2, 2)), ((4, 6), (4, 6)), ((6, 6), (3, 3))]:
-        span = 2 * max(qh, kh) - 1
-        rh, rw = torch.randn(span, 8, generator=g), torch.randn(span, 8, generator=g)
+        rh = torch.randn(2 * max(qh, kh) - 1, 8, generator=g)
+        rw = torch.randn(2 * max(qw, kw) - 1, 8, generator=g)
         q = torch.randn(2, 3, qh * qw, 8, generator=g)
-        if qw == qh:
-            expected = cal_rel_pos_type(torch.zeros(2, 3, qh * qw, kh * kw), q, False, [qh, qw], [kh, kw], rh, rw)
-            assert torch.allclose(decomposed_rel_pos_bias(q, rh, rw, (qh, qw), (kh, kw)), expected, atol=1e-5)
+        expected = cal_rel_pos_type(torch.zeros(2, 3, qh * qw, kh * kw), q, False, [qh, qw], [kh, kw], rh, rw)
+        assert expected.abs().max() > 1
+        assert torch.allclose(decomposed_rel_pos_bias(q, rh, rw, (qh, qw), (kh, kw)), expected, atol=1e-5)
     # a window clipped to a smaller map keeps the full window's offsets: a top-left block
     q = torch.randn(1, 8 * 8, 4, generator=g)
     rh, rw = torch.randn(15, 4, generator=g), torch.randn(15, 4, generator=g)
