@@ -123,6 +123,8 @@ def test_validation_metrics_match_pycocotools_on_written_results(coco_root: Path
         assert abs(stats[1] - metrics[f"val/{iou}_mAP50"]) < 1e-6
         assert abs(stats[2] - metrics[f"val/{iou}_mAP75"]) < 1e-6
         assert abs(stats[8] - metrics[f"val/{iou}_mAR100"]) < 1e-6
+        for i, key in ((3, "mAP_s"), (4, "mAP_m"), (5, "mAP_l")):  # by COCO's area field, absent ranges -1 in both
+            assert abs(stats[i] - metrics[f"val/{iou}_{key}"]) < 1e-6, key
     pngs = sorted((run / "predictions").glob("*.png"))
     assert len(pngs) == 4
     # test split writes its own files
@@ -340,3 +342,13 @@ def test_prediction_images_are_logged_to_the_logger(coco_root: Path, tmp_path: P
     tag, shape, _ = logger.images[0]
     assert tag.startswith("val/pred_") and shape[0] == 3 and len(shape) == 3
     assert len(list((Path(logger.log_dir) / "predictions").glob("*.png"))) == 4  # the PNGs are still written
+
+
+def test_class_names_from_a_list_are_indexed_by_label() -> None:
+    """Labels are 1-based (0 is the background): a plain list names labels 1, 2, ...; a list that
+    starts with ``"__background__"`` is indexed by label; a mapping is keyed by COCO category id."""
+    from vtdense.tasks.detection import _as_name_map
+
+    assert _as_name_map(["a", "b"], {}) == {1: "a", 2: "b"}
+    assert _as_name_map(["__background__", "a", "b"], {}) == {1: "a", 2: "b"}
+    assert _as_name_map({3: "cat", 7: "dog"}, {1: 3, 2: 7}) == {1: "cat", 2: "dog"}
