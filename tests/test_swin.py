@@ -166,6 +166,15 @@ def test_window_change_resizes_v1_bias_table() -> None:
         assert (t.detach() - expected).abs().max() < 1e-5, name
 
 
+def test_bias_table_of_a_non_square_window_is_one_clear_error() -> None:
+    """A flat V1 table of a non-square window (4x6: 7*11 rows) cannot be resized from its row count
+    alone: one error naming the key, not a deep ``ValueError`` from the resize."""
+    src = vtdense.create_backbone("swin_tiny", **{**TINY, "window_size": (4, 6)})
+    dst = vtdense.create_backbone("swin_tiny", **{**TINY, "window_size": (6, 8)})
+    with pytest.raises(CheckpointError, match=r"layers\.0\.blocks\.0\.attn\.relative_position_bias_table: a bias table of 77 rows belongs to a non-square window.*6x8"):
+        vtdense.load_pretrained(dst, src.state_dict())
+
+
 def _brute_force_window_attention(block: SwinBlock, x: torch.Tensor) -> torch.Tensor:
     """Reference for one (S)W-MSA on a channels-last map of ANY size, written from the definition:
     pad to window multiples, roll, group by window and shift region; padded tokens are never keys.
