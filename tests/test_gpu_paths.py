@@ -245,6 +245,7 @@ def test_stand_in_sends_a_transposed_mask_to_the_math_path() -> None:
     assert calls[0].reason == "a mask whose last dim has stride != 1"
     assert calls[1].mask_copied  # 49-entry rows: SDPA pads them (a copy), but the kernel is fused
 
+
 class _Steps(torch.nn.Module):
     """Known memory: two 4 MiB temporaries alive at once, views and in-place writes that
     allocate nothing, and one 4 MiB tensor saved for the backward pass (``sin``'s input)."""

@@ -4,8 +4,8 @@ skipped by the grad scaler, and attention under bf16 stays finite at extreme set
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L

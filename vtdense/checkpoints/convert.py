@@ -137,9 +137,9 @@ def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
             if old_side * old_side != v.shape[0] or old_side % 2 == 0:
                 # a flat table does not say which non-square window it was made for (77 rows: 4x6 or 6x4)
                 raise CheckpointError(
-                    f"{k}: a bias table of {v.shape[0]} rows belongs to a non-square window, which its row count "
-                    f"does not determine, and this model's window is {new[0]}x{new[1]}; build the model with the "
-                    f"checkpoint's window_size to load it")
+                    f"{k}: a bias table of {v.shape[0]} rows is not one of a square window ((2w-1)^2 rows), and its "
+                    f"row count does not say which non-square window made it; this model's window is "
+                    f"{new[0]}x{new[1]}: build the model with the checkpoint's window_size to load it")
             old = ((old_side + 1) // 2, (old_side + 1) // 2)
             resized = resize_bias_table(v, old, new)
             note_resized(k, v, resized, f"Swin V1 bias table, window {old[0]}x{old[1]} -> {new[0]}x{new[1]} (bicubic)")
