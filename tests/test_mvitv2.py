@@ -201,7 +201,9 @@ def test_checkpoint_errors_and_table_resize() -> None:
 
 def test_decomposed_rel_pos_matches_timm() -> None:
     g = torch.Generator().manual_seed(0)
-    for (qh, qw), (kh, kw) in [((8, 8), (2, 2)), ((4, 6), (4, 6)), ((6, 6), (3, 3))]:
+    # the last two: pooling ratios that are not whole numbers (25/7, 33/9), where the reference
+    # truncates the stretched offsets; and keys longer than queries
+    for (qh, qw), (kh, kw) in [((8, 8), (2, 2)), ((4, 6), (4, 6)), ((6, 6), (3, 3)), ((25, 33), (7, 9)), ((5, 7), (9, 11))]:
         rh = torch.randn(2 * max(qh, kh) - 1, 8, generator=g)
         rw = torch.randn(2 * max(qw, kw) - 1, 8, generator=g)
         q = torch.randn(2, 3, qh * qw, 8, generator=g)

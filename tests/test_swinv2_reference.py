@@ -65,11 +65,19 @@ def test_swinv2_window16_matches_timm_where_stages_are_smaller_than_the_window(s
 
 
 def test_small_tiny_config_odd_window_matches_timm() -> None:
-    """A non-square window (6, 10) on a non-square image: per-axis shrinking at every stage."""
+    """Non-square windows on non-square images: per-axis shrinking, and shifts that differ per axis.
+
+    (6, 7) shrinks along h at stage 3 (shift (0, 3)) and along both at stage 4. (6, 10) shifts
+    stage 3 by (3, 5), so a shift applied along the wrong axis shows; its sizes are window
+    multiples because timm, unlike vtdense, lets the padded tokens take part in attention."""
     from timm.models.swin_transformer_v2 import SwinTransformerV2
 
-    size = (96, 224)  # stage maps (24, 56) (12, 28) (6, 14) (3, 7)
-    cfg = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=(6, 7))
+    for size, window in [((96, 224), (6, 7)), ((192, 320), (6, 10))]:  # stage maps (24, 56) ... (3, 7); (48, 80) ... (6, 10)
+        _assert_odd_window_matches_timm(SwinTransformerV2, size, window)
+
+
+def _assert_odd_window_matches_timm(SwinTransformerV2: type, size: tuple[int, int], window: tuple[int, int]) -> None:
+    cfg = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=window)
     for pws in (0, 4):
         ref = SwinTransformerV2(img_size=size, num_classes=0, pretrained_window_sizes=(pws,) * 4, **cfg)
         ref = randomize_(ref.eval(), seed=4)
@@ -83,7 +91,7 @@ def test_small_tiny_config_odd_window_matches_timm() -> None:
         assert len(expected) == len(got) == 4
         for e, g in zip(expected, got):
             assert g.shape == e.shape and e.std() > 0.1
-            assert (g - e).abs().max().item() < 1e-4, pws
+            assert (g - e).abs().max().item() < 1e-4, (window, pws)
 
 
 def test_log_cpb_coordinates_follow_the_window_in_use() -> None:
