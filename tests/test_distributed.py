@@ -27,7 +27,8 @@ SCRIPT = REPO / "tests" / "scripts" / "ddp_validate.py"
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT) prints every thread's Python stack to stderr
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED"):
         env.pop(key, None)
     return env
@@ -39,7 +40,8 @@ def _run(tmp: Path, task: str, data: Path, devices: int, *extra: str) -> dict:
     cmd = [sys.executable, str(SCRIPT), "--task", task, "--data", str(data), "--devices", str(devices),
            "--root_dir", str(tmp / f"run_{tag}"), "--out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    exits = {p.name: p.read_text() for p in tmp.glob(f"{out.name}.exit*")}  # what each rank saw at exit
+    assert proc.returncode == 0, f"exit records {exits}, output written: {out.is_file()}\n{proc.stderr[-6000:]}"
     if devices > 1:
         _assert_group_destroyed_at_exit(out, devices)
     return json.loads(out.read_text())

@@ -361,7 +361,8 @@ def test_bad_input_gives_clear_errors() -> None:
 def test_public_api() -> None:
     assert isinstance(vtdense.__version__, str)
     assert isinstance(vtdense.create_backbone("swin_tiny", **TINY), (SwinTransformer, vtdense.Backbone))
-    assert {"relative_position_bias_table", "logit_scale"} <= vtdense.create_backbone("swin_tiny", **TINY).no_weight_decay()
+    # as timm: V1's table, V2's Log-CPB MLP (weights included) and logit scale get no weight decay
+    assert vtdense.create_backbone("swin_tiny", **TINY).no_weight_decay() == {"relative_position_bias_table", "cpb_mlp", "logit_scale"}
 
 
 def test_save_and_load_backbone_round_trip(tmp_path) -> None:
