@@ -310,9 +310,10 @@ def attention(
     nk = k.shape[-2]
     scale = d**-0.5 if scale is None else scale
     dtype = _term_dtype(q, backend)
-    if backend == "sdpa" and mask is not None and _image_by_image(q, k, v, mask):
+    # (not with dropout: in training without a gradient, e.g. frozen weights, it still applies)
+    if backend == "sdpa" and mask is not None and not dropout and _image_by_image(q, k, v, mask):
         return _attention_image_by_image(q, k, v, mask.to(dtype), scale)
-    if backend == "sdpa" and mask is not None and _compiled_image_by_image(q, k, v, mask):
+    if backend == "sdpa" and mask is not None and not dropout and _compiled_image_by_image(q, k, v, mask):
         return torch.ops.vtdense.window_attention_cpu(q, k, v, mask.to(dtype), float(scale))
     if mask is not None and folds_windows(mask, q.dim()):
         # Per-window term: fold the windows into the heads, (B, nW*h, N, d), so the term is one
