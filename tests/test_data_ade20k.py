@@ -73,6 +73,26 @@ def test_raw_ignore_value_stays_ignored(tmp_path: Path) -> None:
     assert mask[0].tolist() == [255, 0, 1, 255, 2, 2]
 
 
+def test_label_map_of_a_reduced_image_is_shrunk_by_nearest_neighbour(tmp_path: Path) -> None:
+    """A huge image decoded reduced (a PNG 90 px wide, max side 30: 1/3) has its label map reduced to
+    match by nearest neighbour, which only ever picks existing labels: the result is the PIL NEAREST
+    resize, i.e. the centre pixel of every 3x3 block. Averaging modes would invent labels between
+    the far-apart values used here."""
+    root = tmp_path / "folder"
+    (root / "images" / "training").mkdir(parents=True)
+    (root / "annotations" / "training").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    label = rng.choice(np.array([10, 100, 190], np.uint8), size=(60, 90))
+    Image.fromarray(np.zeros((60, 90, 3), np.uint8)).save(root / "images" / "training" / "a.png")
+    Image.fromarray(label).save(root / "annotations" / "training" / "a.png")
+    ds = SegmentationFolder(root, "training", 200, reduce_zero_label=False, max_decode_side=30, on_bad_sample="error")
+    image, mask = ds.load(0)
+    assert image.shape == (3, 20, 30) and mask.shape == (20, 30)
+    assert torch.equal(mask, torch.from_numpy(label[1::3, 1::3].astype(np.int64)))
+    nearest = np.asarray(Image.fromarray(label).resize((30, 20), Image.Resampling.NEAREST))
+    assert torch.equal(mask, torch.from_numpy(nearest.astype(np.int64)))
+
+
 def _corrupt(root: Path, label: np.ndarray) -> Path:
     path = sorted((root / "annotations" / "training").glob("*.png"))[1]
     Image.fromarray(label.astype(np.uint8)).save(path)
@@ -155,6 +175,30 @@ def test_crop_category_ratio_cap() -> None:
     assert rate_free < 0.6
 
 
+@pytest.mark.parametrize(
+    "first",
+    [
+        # one real class (4 px) and 4 ignored px: a single class, rejected (counting 255 would make it 50/50)
+        [[0, 0, 0, 0], [255, 255, 255, 255]],
+        # class 0 on 6 of the 7 labelled px (0.86 > 0.75), rejected (counting the 5 ignored px: 6 / 12, kept)
+        [[0, 0, 0, 0], [0, 0, 1, 255], [255, 255, 255, 255]],
+    ],
+)
+def test_crop_category_ratio_leaves_out_ignored_pixels(monkeypatch: pytest.MonkeyPatch, first: list[list[int]]) -> None:
+    """``cat_max_ratio`` counts labelled pixels only (mmseg's RandomCrop drops ``ignore_index`` from
+    the class counts): the first crop drawn is rejected, the second (two classes, 50/50) is kept."""
+    import vtdense.data.ade20k as ade20k
+
+    rows = len(first)
+    mask = torch.full((rows, 8), IGNORE_INDEX)
+    mask[:, :4] = torch.tensor(first)
+    mask[:, 4:6], mask[:, 6:] = 0, 1  # the right half: two classes, evenly
+    draws = iter([0, 0, 0, 4])  # (top, left) of the first crop, then of the second
+    monkeypatch.setattr(ade20k, "random", type("Scripted", (), {"randint": staticmethod(lambda a, b: next(draws))}))
+    box = SegTrainTransform(crop_size=(rows, 4), cat_max_ratio=0.75).crop_box(mask)
+    assert box == (0, 4, rows, 4)
+
+
 def test_eval_transform_and_collate() -> None:
     image = torch.randint(0, 256, (3, 40, 60), dtype=torch.uint8)
     mask = torch.randint(0, 4, (40, 60))
@@ -203,3 +247,30 @@ def test_default_root_uses_real_data_when_present(
     dm = ADE20KDataModule(num_classes=NUM_CLASSES)
     assert dm.root == tmp_path / "ade20k"
     assert not (tmp_path / "cache").exists()
+
+
+
+def test_num_classes_and_names_come_from_classes_txt(ade_root: Path) -> None:
+    """Without ``num_classes`` the count is the number of names in ``classes.txt`` (blank lines
+    aside), and the names label the classes; an explicit count wins, and names that do not match it
+    are not used (``class_<i>`` instead)."""
+    names = ["wall", "floor", "sky"]
+    (ade_root / "classes.txt").write_text("\n".join(names) + "\n\n")
+    dm = ADE20KDataModule(root=str(ade_root), num_workers=0, scale=(64, 48), crop_size=(32, 32))
+    assert dm.num_classes == 3 and dm.class_names == names
+    dm.setup("validate")
+    assert dm.val_dataset is not None and dm.val_dataset.num_classes == 3
+    other = ADE20KDataModule(root=str(ade_root), num_classes=NUM_CLASSES, num_workers=0)
+    assert other.num_classes == NUM_CLASSES and other.class_names == [f"class_{i}" for i in range(NUM_CLASSES)]
+    (ade_root / "classes.txt").unlink()
+    assert ADE20KDataModule(root=str(ade_root), num_workers=0).num_classes == 150  # ADE20K's
+
+
+def test_validation_loader_scores_every_image(tmp_path: Path) -> None:
+    """The validation loader keeps the last, partial batch: 3 images in batches of 2 are all scored."""
+    root = generate_synthetic_segmentation(tmp_path / "ade", num_train=2, num_val=3, size_range=(32, 40), seed=2)
+    dm = ADE20KDataModule(root=str(root), num_classes=NUM_CLASSES, val_batch_size=2, num_workers=0, scale=(40, 32))
+    dm.setup("validate")
+    for loader in (dm.val_dataloader(), dm.test_dataloader()):
+        files = [f for batch in loader for f in batch["files"]]
+        assert sorted(files) == sorted(p.name for p in (root / "images" / "validation").iterdir())

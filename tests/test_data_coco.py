@@ -95,6 +95,29 @@ def test_eval_targets_carry_original_ground_truth(coco_root: Path, load_ann: Cal
     assert crowds == 2  # one uncompressed, one compressed RLE
 
 
+def test_mask_from_box_covers_every_pixel_the_box_touches(tmp_path: Path, write_ann: Callable[..., Path]) -> None:
+    """An annotation without a segmentation gets its box as mask: pixel ``[i, i + 1)`` is in when it
+    overlaps the box, so from ``floor(x0)`` up to ``ceil(x1)`` exclusive (a fractional far edge still
+    takes its pixel; a whole one does not take the next)."""
+    (tmp_path / "images").mkdir()
+    Image.new("RGB", (30, 20)).save(tmp_path / "images" / "a.png")
+    boxes = {1: [2.3, 3.6, 4.0, 1.6], 2: [10.0, 8.0, 5.0, 4.0]}  # far edges (6.3, 5.2) and (15, 12)
+    data = {
+        "images": [{"id": 1, "file_name": "a.png", "height": 20, "width": 30}],
+        "annotations": [{"id": 1, "image_id": 1, "category_id": 1, "bbox": boxes[1], "iscrowd": 0},
+                        {"id": 2, "image_id": 1, "category_id": 1, "bbox": boxes[2], "iscrowd": 0, "segmentation": []}],
+        "categories": [{"id": 1, "name": "thing"}],
+    }
+    expected = torch.zeros(2, 20, 30, dtype=torch.bool)
+    expected[0, 3:6, 2:7] = True  # rows 3, 4, 5 (y 3.6 to 5.2), columns 2 to 6 (x 2.3 to 6.3)
+    expected[1, 8:12, 10:15] = True
+    for train in (False, True):
+        _, t = COCODetection(tmp_path / "images", write_ann(data), train=train)[0]
+        assert torch.equal(t["masks"].bool(), expected), train
+        if not train:
+            assert torch.equal(t["orig_masks"], expected)
+
+
 def test_crowds_are_dropped_from_train_only(coco_root: Path, load_ann: Callable[..., dict]) -> None:
     ann = load_ann("train2017")
     train = _dataset(coco_root, "train2017", True)

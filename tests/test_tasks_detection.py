@@ -132,6 +132,43 @@ def test_validation_metrics_match_pycocotools_on_written_results(coco_root: Path
     assert (run / "test_bbox.json").is_file() and (run / "test_segm.json").is_file()
 
 
+def test_size_range_metrics_use_the_coco_area_field(coco_root: Path, tmp_path: Path) -> None:
+    """mAP_s/m/l split the ground truth by the annotation's ``area`` field, as pycocotools does, not by
+    the box or mask area. The synthetic objects are all small (< 32^2 px), so the file here gives them
+    areas of every range: scored by their boxes or masks instead, mAP_m and mAP_l would be -1."""
+    data = json.loads((coco_root / "annotations" / "instances_val2017.json").read_text())
+    for k, ann in enumerate(data["annotations"]):
+        ann["area"] = (100.0, 5000.0, 20000.0)[k % 3]  # small, medium, large by the COCO ranges
+    val_ann = tmp_path / "val_areas.json"
+    val_ann.write_text(json.dumps(data))
+    task, _ = oracle_task()
+    dm = datamodule(coco_root, val_ann=str(val_ann))
+    tr = trainer(tmp_path)
+    (metrics,) = tr.validate(task, datamodule=dm, verbose=False)
+    run = Path(tr.log_dir)
+    coco_gt = COCO(str(val_ann))
+    for iou in ("bbox", "segm"):
+        stats = cocoeval_stats(coco_gt, run / f"{iou}.json", iou)
+        for i, key in ((3, "mAP_s"), (4, "mAP_m"), (5, "mAP_l")):
+            assert stats[i] >= 0.0, (iou, key)  # every range holds ground truth
+            assert abs(stats[i] - metrics[f"val/{iou}_{key}"]) < 1e-6, (iou, key)
+        assert abs(stats[0] - metrics[f"val/{iou}_mAP"]) < 1e-6
+
+
+def test_ground_truth_fallback_scales_x_by_width_and_y_by_height() -> None:
+    """Without ``orig_boxes`` the resized boxes are scaled back by ``w0 / w`` along x and ``h0 / h``
+    along y. The transforms keep the aspect ratio (both scales nearly equal), so the size here does
+    not: 80x50 -> 240x100 is x3 in x and x2 in y."""
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, head="faster_rcnn", num_classes=2, **SLIM)
+    image = torch.zeros(3, 50, 80)
+    target = {"boxes": torch.tensor([[10.0, 5.0, 30.0, 25.0]]), "labels": torch.tensor([2]), "orig_size": (100, 240)}
+    gt = task._ground_truth(image, target)
+    torch.testing.assert_close(gt["boxes"], torch.tensor([[30.0, 10.0, 90.0, 50.0]]))
+    # orig_boxes, when present, are taken as they are
+    target["orig_boxes"] = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    torch.testing.assert_close(task._ground_truth(image, target)["boxes"], target["orig_boxes"])
+
+
 def test_predict_returns_original_coordinates(coco_root: Path, tmp_path: Path) -> None:
     task, _ = oracle_task()
     dm = datamodule(coco_root)

@@ -110,6 +110,50 @@ def test_miou_equals_hand_computation(tmp_path: Path) -> None:
     np.testing.assert_array_equal(panel[1, 6:8], 0)  # ignored ground truth is black
 
 
+def test_aacc_is_pooled_over_all_labelled_pixels(tmp_path: Path) -> None:
+    """aAcc is micro-averaged, as mmseg's: correct pixels / labelled pixels over the whole dataset,
+    not a mean of per-image or per-class accuracies. One image has a single labelled pixel (wrong),
+    the other 99 (all right): pooled 99/100, per-image mean 1/2, per-class mean 2/3."""
+    # the "network" predicts the class stored in the image's first channel
+    task = _task(num_classes=3, aux_weight=0.0)
+    task.forward = lambda image: F.one_hot(image[:, 0].long(), 3).permute(0, 3, 1, 2).float()
+    one_mask = torch.full((10, 10), 255)
+    one_mask[4, 4] = 2  # the only labelled pixel, predicted 0
+    one_image = torch.zeros(3, 10, 10)
+    many_mask = torch.zeros(10, 10, dtype=torch.long)
+    many_mask[5:] = 1
+    many_mask[9, 9] = 255  # 50 pixels of class 0, 49 of class 1, one ignored
+    many_image = torch.zeros(3, 10, 10)
+    many_image[0] = many_mask.clamp(max=1).float()  # every labelled pixel right
+    batches = [
+        seg_collate([{"image": img, "mask": mask, "image_size": (10, 10)}])
+        for img, mask in ((one_image, one_mask), (many_image, many_mask))
+    ]
+    metrics = _trainer(tmp_path).validate(task, dataloaders=DataLoader(batches, batch_size=None), verbose=False)[0]
+    assert metrics["val/aAcc"] == pytest.approx(99 / 100, abs=1e-6)
+
+
+def test_prediction_is_resized_to_the_label_bilinearly() -> None:
+    """When the image was resized for evaluation, the logits (padding cut off first) are resized to
+    the label map's size bilinearly with ``align_corners=False`` before the argmax, as mmseg does."""
+    task = _task(num_classes=4, aux_weight=0.0)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 4, 12, 16, generator=gen)
+    logits[..., 9:, :] = logits[..., :, 13:] = 0.0
+    logits[:, 3, 9:, :] = logits[:, 3, :, 13:] = 100.0  # the padding: class 3 wherever it leaks in
+    task.forward = lambda image: logits
+    mask = torch.randint(0, 4, (23, 31), generator=gen)
+    batch = {"image": torch.zeros(1, 3, 12, 16), "mask": mask[None], "image_size": torch.tensor([[9, 13]]),
+             "mask_size": torch.tensor([[23, 31]])}
+    ((pred, label),) = task._predict_batch(batch)
+    crop = logits[..., :9, :13]
+    expected = F.interpolate(crop, size=(23, 31), mode="bilinear", align_corners=False).argmax(1)[0]
+    assert torch.equal(pred, expected) and torch.equal(label, mask)
+    # the modes disagree on these logits, so the comparison above pins the mode
+    for other in (dict(mode="nearest"), dict(mode="bilinear", align_corners=True), dict(mode="bicubic")):
+        assert not torch.equal(F.interpolate(crop, size=(23, 31), **other).argmax(1)[0], expected), other
+
+
 def test_sliding_window_matches_whole_image_for_a_pointwise_model() -> None:
     task = _task(num_classes=4, inference="slide", slide_crop=(16, 24), slide_stride=(10, 13), aux_weight=0.0).eval()
     # a per-pixel "network": sliding windows must stitch to exactly the whole-image result
