@@ -249,7 +249,6 @@ def test_default_root_uses_real_data_when_present(
     assert not (tmp_path / "cache").exists()
 
 
-
 def test_num_classes_and_names_come_from_classes_txt(ade_root: Path) -> None:
     """Without ``num_classes`` the count is the number of names in ``classes.txt`` (blank lines
     aside), and the names label the classes; an explicit count wins, and names that do not match it
