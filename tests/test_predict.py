@@ -33,11 +33,12 @@ from torchvision.transforms.v2 import functional as TF
 from vtdense.data.ade20k import ADE20KDataModule
 from vtdense.data.coco import COCODataModule
 from vtdense.data.errors import BadSampleError
-from vtdense.data.predict import list_images
+from vtdense.data.predict import PredictImages, list_images
 from vtdense.data.synthetic import make_synthetic_coco
 from vtdense.data.synthetic_seg import SYNTHETIC_CLASSES, generate_synthetic_segmentation
 from vtdense.data.transforms import shortest_edge_size
 from vtdense.tasks.detection import DetectionTask
+from vtdense.tasks.predict import read_display_image
 from vtdense.tasks.segmentation import SegmentationTask, color_palette, resize_logits
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -272,6 +273,49 @@ def test_segmentation_predict_images(seg_ckpt: Path, photos: Path) -> None:
     as_uint8, as_float = task.predict_images([img, img.float() / 255], return_probs=True)
     torch.testing.assert_close(as_uint8["probs"], as_float["probs"], atol=1e-5, rtol=1e-4)
     assert as_uint8["label_map"].shape == (38, 64) and as_uint8["probs"].std() > 0.01
+
+
+def test_images_over_4096_px_are_decoded_reduced_and_predicted_at_full_size(tmp_path: Path) -> None:
+    """A file longer than 4096 px is decoded reduced by the largest integer factor that keeps its long
+    side >= 4096 (PNG: a box reduce after decoding), so 4100 and 8191 px wide stay whole, 8192 becomes
+    4096 and 8200 becomes 4100; ``orig_size`` stays the file's full size, so the label map comes back
+    at 16 x 8200, resized from the model's view of the reduced pixels. Strips 16 px high keep it cheap."""
+    arrays = {}
+    for w in (4100, 8191, 8192, 8200):
+        cols = (np.arange(w) // 2 % 251).astype(np.uint8)  # equal column pairs: a 2x box reduce keeps the values
+        arrays[w] = np.repeat(np.stack([cols, 250 - cols, cols // 2], -1)[None], 16, axis=0)  # 16 x w x 3
+        Image.fromarray(arrays[w]).save(tmp_path / f"w{w}.png")
+    items = PredictImages(list_images(tmp_path), lambda pixels: pixels)  # identity: what the decoder gave
+    decoded = {w: items[i] for i, w in enumerate((4100, 8191, 8192, 8200))}
+    for w, factor in ((4100, 1), (8191, 1), (8192, 2), (8200, 2)):
+        pixels, target = decoded[w]
+        assert target["orig_size"] == (16, w), w
+        assert tuple(pixels.shape) == (3, 16 // factor, -(-w // factor)), w
+        assert torch.equal(pixels, torch.from_numpy(arrays[w][::factor, ::factor]).permute(2, 0, 1)), w
+
+    torch.manual_seed(0)
+    task = SegmentationTask(backbone="swinv2_tiny", backbone_kwargs=TINY_SWIN, num_classes=3,
+                            arch_kwargs={"decoder_channels": 8}, aux_channels=8).eval()
+    task.datamodule_hparams = {"eval_scale": [1024, 64]}  # the reduced 8 x 4100 -> 2 x 1024
+    (pred,) = task.predict_images(tmp_path / "w8200.png", return_probs=True)
+    assert pred["label_map"].shape == (16, 8200) and pred["probs"].shape == (3, 16, 8200)
+    x = task.predict_transform()(torch.from_numpy(arrays[8200][::2, ::2]).permute(2, 0, 1))
+    assert x.shape == (3, 2, 1024)
+    with torch.no_grad():
+        ref = F.interpolate(task(x[None]), size=(16, 8200), mode="bilinear", align_corners=False)[0].softmax(0)
+    torch.testing.assert_close(pred["probs"], ref, atol=1e-5, rtol=1e-4)
+
+    # the written files: the label PNG at the full size; the overlay drawn on a copy reduced to a long
+    # side of at least 2048 (8200 // 2048 = 4: 4 x 2050), whose scale to the original is 1/4
+    target = decoded[8200][1]
+    pic, scale = read_display_image(target)
+    assert tuple(pic.shape) == (3, 4, 2050) and scale == 0.25
+    record = task.write_prediction_files(tmp_path / "out", target, pred, decoded[8200][0])
+    assert (record["height"], record["width"]) == (16, 8200)
+    with Image.open(tmp_path / "out" / record["label_map"]) as png:
+        assert np.array_equal(np.asarray(png), pred["label_map"].numpy())
+    with Image.open(tmp_path / "out" / record["overlay"]) as png:
+        assert png.size == (2050, 4)
 
 
 @pytest.mark.parametrize("size", [(37, 91), (5, 7), (64, 20)])

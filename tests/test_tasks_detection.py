@@ -213,6 +213,45 @@ def test_predict_matches_manual_rescale_with_real_model(coco_root: Path) -> None
     assert torch.equal(pred["scores"], raw["scores"])
 
 
+class FixedMasks(nn.Module):
+    """Stands in for Mask R-CNN in eval: one image's detections with the given mask probabilities."""
+
+    def __init__(self, probs: Tensor) -> None:
+        super().__init__()
+        self.probs = probs  # [N, 1, h, w], at the model input's size like torchvision's pasted masks
+
+    def forward(self, images: list[Tensor], targets: Any = None) -> list[dict[str, Tensor]]:
+        n = self.probs.shape[0]
+        return [{"boxes": torch.tensor([[0.0, 0.0, 1.0, 1.0]]).repeat(n, 1), "labels": torch.ones(n, dtype=torch.long),
+                 "scores": torch.linspace(0.9, 0.1, n), "masks": self.probs}]
+
+
+def test_predicted_masks_are_binarised_above_one_half() -> None:
+    """Mask probabilities become bool masks with ``p > 0.5`` after the bilinear resize to the original
+    size (torchvision's references threshold pasted masks with ``> 0.5``): 0.49 and exactly 0.5 are
+    off, 0.51 is on, down to the float32 neighbours of 0.5. 18 masks span two chunks of the resize."""
+    half = torch.tensor(0.5)
+    below, above = torch.nextafter(half, torch.tensor(0.0)), torch.nextafter(half, torch.tensor(1.0))
+    values = torch.tensor([0.49, 0.5, 0.51, 0.0, 1.0, float(below), float(above)])
+    on = torch.tensor([False, False, True, False, True, False, True])  # by hand, not by a comparison
+    probs = torch.stack([values.roll(k)[:6].view(2, 3) for k in range(18)])[:, None]
+    expected = torch.stack([on.roll(k)[:6].view(2, 3) for k in range(18)])
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, head="mask_rcnn", num_classes=2, **SLIM).eval()
+    task.model = FixedMasks(probs)
+    # original size = input size: the resize is the identity (exact values), only the threshold acts
+    (pred,) = task.predict_step(([torch.rand(3, 2, 3)], [{"orig_size": (2, 3)}]), 0)
+    assert pred["masks"].dtype == torch.bool and torch.equal(pred["masks"], expected)
+
+    # upscaled x4: the probabilities are resized bilinearly first, then thresholded. [0, 0.6, 0] resizes to
+    # 0, 0, .075, .225, .375, .525, .525, .375, ... (align_corners=False): only 2 pixels pass, where
+    # thresholding first and resizing the bool mask would give 4.
+    task.model = FixedMasks(torch.tensor([0.0, 0.6, 0.0]).view(1, 1, 1, 3))
+    (pred,) = task.predict_step(([torch.rand(3, 1, 3)], [{"orig_size": (4, 12)}]), 0)
+    row = torch.zeros(12, dtype=torch.bool)
+    row[5:7] = True
+    assert torch.equal(pred["masks"], row.expand(1, 4, 12))
+
+
 class FixedOrderCOCO(COCODataModule):
     """Unshuffled training batches, so every epoch of one batch sees the same images."""
 

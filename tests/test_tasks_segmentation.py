@@ -233,3 +233,88 @@ def test_batch_size_one_with_upernet_is_a_clear_error_before_training(tmp_path: 
     dm = ADE20KDataModule(root=str(root), num_classes=8, batch_size=1, num_workers=0, scale=(64, 48), crop_size=(32, 32))
     with pytest.raises(ValueError, match=r"data.batch_size=1 cannot train the upernet decoder"):
         _trainer(tmp_path, max_steps=1).fit(_task(num_classes=8), datamodule=dm)
+
+
+# ------------------------------------------------------------------------ prediction on new images
+def _keep_ratio_size(h: int, w: int, scale: tuple[int, int]) -> tuple[int, int]:
+    """mmcv's keep-ratio rescale to (long, short), written out: the factor that fits both sides."""
+    f = min(scale[0] / max(h, w), scale[1] / min(h, w))
+    return int(h * f + 0.5), int(w * f + 0.5)
+
+
+def test_predict_transform_scale_precedence() -> None:
+    """The prediction resize is, first to last: the ``eval_scale`` argument, the checkpoint datamodule's
+    ``eval_scale``, its ``scale`` (also when ``eval_scale`` was saved as ``None``), then (2048, 512).
+    Each level's scale gives a different size for a 30 x 90 image, so the winner shows in the shape."""
+    task = _task()
+    image = torch.zeros(3, 30, 90, dtype=torch.uint8)
+    both = {"eval_scale": [128, 96], "scale": [256, 32]}
+    cases = [
+        ((64, 48), both, (64, 48)),  # the argument beats both saved settings
+        ((64, 48), None, (64, 48)),  # ... and needs none
+        (None, both, (128, 96)),  # the saved eval_scale beats the saved scale
+        (None, {"eval_scale": None, "scale": [256, 32]}, (256, 32)),  # eval_scale saved unset: scale
+        (None, {"scale": [256, 32]}, (256, 32)),
+        (None, {}, (2048, 512)),  # nothing saved: the ADE20K default
+        (None, None, (2048, 512)),
+    ]
+    sizes = {_keep_ratio_size(30, 90, s) for _, _, s in cases}
+    assert len(sizes) == 4  # (21, 64), (43, 128), (32, 96), (512, 1536): every level is told apart
+    for arg, saved, winner in cases:
+        task.datamodule_hparams = saved
+        out = task.predict_transform(arg)(image)
+        assert tuple(out.shape) == (3, *_keep_ratio_size(30, 90, winner)), (arg, saved)
+
+
+def test_batched_prediction_crops_each_image_to_its_own_size() -> None:
+    """Images of different sizes share one forward pass, zero-padded bottom/right to the largest
+    (like ``seg_collate`` in validation). Each image's output is the batch logits cropped to its own
+    region, then resized to its original size; never the padded canvas. Batched and one-by-one
+    predictions legitimately differ (the padding changes what windows see), so the reference is
+    the padded batch's own forward."""
+    torch.manual_seed(0)
+    task = _task(aux_weight=0.0).eval()
+    task.predict_probs = True
+    images = [torch.rand(3, 40, 56), torch.rand(3, 24, 72)]  # one is cropped in width, the other in height
+    canvas = torch.zeros(2, 3, 40, 72)
+    for i, im in enumerate(images):
+        canvas[i, :, : im.shape[1], : im.shape[2]] = im
+    orig = [(80, 112), (36, 108)]
+    with torch.no_grad():
+        logits = task(canvas)
+        plain = task.predict_step(images, 0)  # no targets: outputs at the input size
+        sized = task.predict_step((images, [{"orig_size": s} for s in orig]), 0)
+    for i, im in enumerate(images):
+        h, w = im.shape[-2:]
+        ref = logits[i, :, :h, :w]
+        assert plain[i]["label_map"].shape == (h, w) and plain[i]["probs"].shape == (3, h, w)
+        torch.testing.assert_close(plain[i]["probs"], ref.softmax(0))
+        assert torch.equal(plain[i]["label_map"], ref.argmax(0))
+        up = F.interpolate(ref[None], size=orig[i], mode="bilinear", align_corners=False)[0]
+        assert sized[i]["label_map"].shape == orig[i]
+        torch.testing.assert_close(sized[i]["probs"], up.softmax(0), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_classes", [256, 300])
+def test_label_png_keeps_class_ids_above_255(tmp_path: Path, num_classes: int) -> None:
+    """``labels/<name>.png`` holds the class ids exactly: a palette PNG up to 256 classes (ids 0..255
+    fit 8 bits; the palette is the task's), a 16-bit greyscale PNG above, where id 299 must not wrap
+    to 43. Read back with PIL, the file equals the prediction."""
+    task = _task(num_classes=num_classes, aux_weight=0.0)
+    label = torch.tensor([[0, 1, 255, num_classes - 1, 7], [num_classes - 1, 254, 3, 0, 255], [2, 2, 2, 2, 2]])
+    target = {"name": "img", "orig_size": (3, 5), "index": 0, "file_name": None, "path": None}
+    record = task.write_prediction_files(tmp_path, target, {"label_map": label}, torch.rand(3, 3, 5))
+    assert record["label_map"] == "labels/img.png"
+    png_path = tmp_path / "labels" / "img.png"
+    with Image.open(png_path) as png:
+        png.load()
+        mode, values, palette = png.mode, np.asarray(png).astype(np.int64), png.getpalette()
+    np.testing.assert_array_equal(values, label.numpy())
+    bit_depth = png_path.read_bytes()[24]  # IHDR: 8-byte signature, length, type, width, height, then depth
+    if num_classes <= 256:
+        assert mode == "P" and bit_depth == 8
+        assert np.array_equal(np.asarray(palette).reshape(-1, 3), color_palette(num_classes))
+    else:
+        assert mode.startswith("I") and bit_depth == 16
+    ids, counts = np.unique(label.numpy(), return_counts=True)
+    assert record["classes"] == {f"class_{c}": pytest.approx(k / 15, abs=1e-6) for c, k in zip(ids, counts)}
