@@ -3,6 +3,7 @@ save/load with the config in the metadata, format detection and the load report.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
@@ -52,7 +53,7 @@ def _same(a: torch.nn.Module, b: torch.nn.Module, size=(1, 3, 64, 96)) -> None:
             assert torch.equal(fa, fb), k
 
 
-def test_detectron2_pickles_load_for_swin_and_mvitv2(tmp_path: Path) -> None:
+def test_detectron2_pickles_load_for_swin_and_mvitv2(tmp_path: Path, hub_cache) -> None:  # noqa: F811
     src = randomize_(vtdense.create_backbone("swin_tiny", **SWIN), seed=1)
     _write_d2_pickle(tmp_path / "swin.pkl", _swin_to_d2(src.state_dict()))
     dst = vtdense.create_backbone("swin_tiny", **SWIN)
@@ -72,6 +73,11 @@ def test_detectron2_pickles_load_for_swin_and_mvitv2(tmp_path: Path) -> None:
     report = vtdense.load_pretrained(dst, str(tmp_path / "model_final.pkl"))
     assert report == ([], []) and report.format == "detectron2"
     _same(src, dst)
+    # a Hub repo holding only the model-zoo pickle: model_final.pkl is among the files tried
+    hub_cache("me/d2_mvit", {"model_final.pkl": (tmp_path / "model_final.pkl").read_bytes()})
+    again = vtdense.create_backbone("mvitv2_tiny", pretrained="me/d2_mvit", **MVIT)
+    assert again.load_report.container == "detectron2-pkl"
+    _same(src, again)
 
 
 class _Payload:
@@ -98,6 +104,131 @@ def test_pickle_with_a_payload_is_refused_naming_the_file(tmp_path: Path, name: 
     pickle.loads(pickle.dumps(blob["model"]["w"]))  # sanity: the array part alone is fine
 
 
+class _Call:
+    """Pickles as the call ``fn(*args)`` (``__reduce__``): a global plus arguments, as an attacker writes it."""
+
+    def __init__(self, fn, *args) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return (self.fn, self.args)
+
+
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol 4")  # torch.load, tried first, says so
+@pytest.mark.parametrize("protocol", [2, 4])
+@pytest.mark.parametrize("what", ["numpy.save", "builtins.eval", "builtins.exec", "builtins.getattr"])
+def test_detectron2_unpickler_admits_nothing_but_arrays_and_containers(tmp_path: Path, what: str, protocol: int) -> None:
+    """The allowlist is (module, name) pairs, not modules: ``numpy.save`` lives in the module that
+    provides ``numpy.ndarray`` and writes a file when called, ``eval`` / ``exec`` run code,
+    ``getattr`` reaches anything. Each is refused before it is called, naming the file and the
+    global (protocol 2 spells builtins ``__builtin__``, as Python 2 era files do)."""
+    from vtdense.checkpoints.io import read_checkpoint
+
+    marker = tmp_path / "PWNED.npy"
+    payload = {
+        "numpy.save": _Call(np.save, str(marker), np.zeros(1)),
+        "builtins.eval": _Call(eval, f"open({str(marker)!r}, 'w').close()"),
+        "builtins.exec": _Call(exec, f"open({str(marker)!r}, 'w').close()"),
+        "builtins.getattr": _Call(getattr, np.zeros(1), "tofile"),
+    }[what]
+    path = tmp_path / "model_final.pkl"
+    data = pickle.dumps({"model": {"w": np.ones(3, np.float32), "x": payload}, "__author__": "x"}, protocol=protocol)
+    path.write_bytes(data)
+    module, name = what.split(".")
+    spelled = "(__builtin__|builtins)" if module == "builtins" else module
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(path))}: refused to unpickle {spelled}\.{name}"):
+        read_checkpoint(path)
+    assert not marker.exists()
+    if what != "builtins.getattr":  # sanity: the payload is live, a plain unpickler runs it
+        pickle.loads(data)
+        assert marker.exists()
+
+
+def test_malformed_detectron2_pickles_are_one_error_naming_the_file(tmp_path: Path) -> None:
+    """Persistent ids (torch's storage references, which the restricted reader must never resolve),
+    a pickle that is not a dict and a ``model`` that is not a dict: each a :class:`CheckpointError`
+    naming the file, not a ``pickle`` / ``AttributeError`` from deep inside."""
+    from vtdense.checkpoints.io import read_checkpoint
+
+    class _Ref:
+        pass
+
+    class _PersistentPickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return "storage-0" if isinstance(obj, _Ref) else None
+
+    buf = io.BytesIO()
+    _PersistentPickler(buf, protocol=2).dump({"model": {"w": _Ref()}, "__author__": "x"})
+    cases = {
+        "persistent.pkl": (buf.getvalue(), "persistent ids are not allowed"),
+        "list.pkl": (pickle.dumps([np.zeros(2)], protocol=2), "a detectron2 pickle is a dict, got list"),
+        "model.pkl": (pickle.dumps({"model": [np.zeros(2)]}, protocol=2), "'model' is not a dict of arrays"),
+    }
+    for name, (blob, message) in cases.items():
+        (tmp_path / name).write_bytes(blob)
+        with pytest.raises(CheckpointError, match=rf"{re.escape(str(tmp_path / name))}: {re.escape(message)}"):
+            read_checkpoint(tmp_path / name)
+
+
+class _Py2Pickler(pickle._Pickler):
+    """Writes ``bytes`` and ``str`` as Python 2 ``str`` opcodes (``SHORT_BINSTRING`` /
+    ``BINSTRING``) and numpy's globals as ``numpy.core.multiarray``: the bytes of a detectron2
+    model-zoo ``.pkl`` written by Python 2."""
+
+    dispatch = pickle._Pickler.dispatch.copy()
+
+    def _save_py2_str(self, obj) -> None:
+        raw = obj.encode("latin1") if isinstance(obj, str) else obj
+        n = len(raw)
+        self.write((pickle.SHORT_BINSTRING + bytes([n]) if n < 256 else pickle.BINSTRING + n.to_bytes(4, "little")) + raw)
+        self.memoize(obj)
+
+    dispatch[bytes] = _save_py2_str
+    dispatch[str] = _save_py2_str
+
+
+def test_python2_detectron2_pickle_loads(tmp_path: Path) -> None:
+    """Array data in a Python 2 pickle is a ``str`` of raw bytes (not valid ASCII): read as
+    latin-1, as numpy documents for such files, it gives the arrays back bit for bit."""
+    import pickletools
+
+    from vtdense.checkpoints.io import read_checkpoint
+
+    src = randomize_(vtdense.create_backbone("swin_tiny", **SWIN), seed=5)
+    blob = {"model": {k: v.numpy() for k, v in _swin_to_d2(src.state_dict()).items()}, "__author__": "Detectron2 Model Zoo"}
+    blob["model"]["backbone.bottom_up.step"] = np.int64(90000)  # a numpy scalar (admitted by the reader): not a weight, skipped
+    buf = io.BytesIO()
+    _Py2Pickler(buf, protocol=2).dump(blob)
+    data = buf.getvalue().replace(b"numpy._core.multiarray\n", b"numpy.core.multiarray\n")
+    assert {op.name for op, *_ in pickletools.genops(data)} >= {"SHORT_BINSTRING", "BINSTRING"}
+    assert b"_codecs" not in data and b"numpy.core.multiarray\n_reconstruct" in data
+    path = tmp_path / "model_final_py2.pkl"
+    path.write_bytes(data)
+    file = read_checkpoint(path)
+    assert file.container == "detectron2-pkl"
+    assert set(file.obj["model"]) == set(_swin_to_d2(src.state_dict()))
+    for k, v in _swin_to_d2(src.state_dict()).items():
+        assert torch.equal(file.obj["model"][k], v), k
+    dst = vtdense.create_backbone("swin_tiny", **SWIN)
+    assert vtdense.load_pretrained(dst, path) == ([], [])
+    _same(src, dst)
+
+
+def test_unreadable_containers_name_the_file(tmp_path: Path) -> None:
+    """A truncated safetensors file, and a torch file holding something other than a state dict
+    (a training checkpoint whose weights sit under a key vtdense does not know): one
+    :class:`CheckpointError` naming the file and saying what is wrong."""
+    model = vtdense.create_backbone("swin_tiny", **SWIN)
+    path = vtdense.save_backbone(model, tmp_path / "cut.safetensors")
+    path.write_bytes(path.read_bytes()[:-100])  # the data ends early: the header is intact
+    with pytest.raises(CheckpointError, match=rf"cannot read safetensors file {re.escape(str(path))}"):
+        vtdense.load_pretrained(model, path)
+    other = tmp_path / "train.pth"
+    torch.save({"net": model.state_dict(), "epoch": 3}, other)
+    with pytest.raises(CheckpointError, match=rf"{re.escape(str(other))}: not a state dict of tensors"):
+        vtdense.load_pretrained(model, other)
+
+
 def test_save_backbone_writes_safetensors_with_config_and_old_files_still_load(tmp_path: Path) -> None:
     from safetensors import safe_open
 
@@ -117,6 +248,16 @@ def test_save_backbone_writes_safetensors_with_config_and_old_files_still_load(t
     with pytest.raises(CheckpointError, match="save_backbone"):
         torch.save(model.state_dict(), tmp_path / "plain.pth")
         vtdense.load_backbone(tmp_path / "plain.pth")
+    # load_pretrained of a saved file: its layout is vtdense's by its config, output norms or not
+    bare = vtdense.save_backbone(vtdense.create_backbone("swin_tiny", **SWIN, out_norm=False), tmp_path / "bare.safetensors")
+    assert vtdense.load_pretrained(vtdense.create_backbone("swin_tiny", **SWIN, out_norm=False), bare).format == "vtdense"
+    # a file from a later vtdense, with an option this one does not know: its weights still load
+    from vtdense.checkpoints.io import write_safetensors
+
+    future = tmp_path / "future.safetensors"
+    write_safetensors(future, model.state_dict(), {"vtdense_backbone": json.dumps({"name": "swinv2_tiny", **SWIN, "new_option": 1})})
+    report = vtdense.load_pretrained(vtdense.create_backbone("swinv2_tiny", **SWIN), future)
+    assert report == ([], []) and report.source_window is None
     with pytest.raises(ValueError, match="JSON"):
         bad = vtdense.create_backbone("swin_tiny", **SWIN)
         bad.config["window_size"] = object()
@@ -167,3 +308,160 @@ def test_format_detection() -> None:
     mv = vtdense.create_backbone("mvitv2_tiny", **MVIT)
     flat = to_flat({k: v for k, v in mv.state_dict().items() if not k.startswith("out_norms.")}, mv.depths, True)
     assert vtdense.load_pretrained(mv, {"model_state": flat}).format == "mvit (original)"
+
+
+def test_format_detection_of_bare_mmdet_mvitv2_and_task_layouts() -> None:
+    """mmdet's converted ImageNet backbones (``swin2mmdet``) have no ``backbone.`` prefix, only
+    ``stages.*``; MViTv2 timm names vs vtdense's own (output norms); the original flat layout
+    under a ``model.`` prefix; Lightning checkpoints of vtdense's tasks. Each detected, and the
+    bare mmdet layout loads (key names suffice for the rest: their loading is tested elsewhere)."""
+    from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
+
+    from test_swin import to_mmdet
+
+    src = randomize_(vtdense.create_backbone("swin_tiny", **SWIN), seed=6)
+    bare = to_mmdet(src.state_dict(), prefix="")
+    assert not any(k.startswith("backbone.") for k in bare)
+    dst = vtdense.create_backbone("swin_tiny", **SWIN)
+    report = vtdense.load_pretrained(dst, bare)
+    assert report == ([], []) and report.format == "mmdet"
+    _same(src, dst)
+    assert detect_format({f"model.encoder.backbone.{k}": v for k, v in src.state_dict().items()}, dst) == "vtdense task checkpoint"
+    with torch.device("meta"):
+        mv = vtdense.create_backbone("mvitv2_tiny", **MVIT)
+        sd = mv.state_dict()
+        ref = MultiScaleVit(MultiScaleVitCfg(depths=MVIT["depths"], embed_dim=16, num_heads=1), img_size=224, num_classes=3)
+    assert detect_format(ref.state_dict(), mv) == "timm"
+    assert detect_format(sd, mv) == "vtdense"
+    flat = to_flat({k: v for k, v in sd.items() if not k.startswith("out_norms.")}, mv.depths, True)
+    assert detect_format({f"model.{k}": v for k, v in flat.items()}, mv) == "mvit (original)"
+    assert detect_format({f"model.backbone.body.{k}": v for k, v in sd.items()}, mv) == "vtdense task checkpoint"
+
+
+@pytest.mark.parametrize("name,kwargs", [("swin_tiny", SWIN), ("mvitv2_tiny", MVIT)])
+def test_task_checkpoints_give_their_backbone(tmp_path: Path, name: str, kwargs: dict) -> None:
+    """A Lightning checkpoint of ``SegmentationTask`` (SMP encoder: ``model.encoder.backbone.``)
+    or ``DetectionTask`` (FPN body: ``model.backbone.body.``): the backbone part loads, bit for
+    bit; the decoder, auxiliary head, FPN and detection head are dropped as not the backbone's."""
+    from vtdense.tasks.detection import DetectionTask
+    from vtdense.tasks.segmentation import SegmentationTask
+
+    seg = SegmentationTask(backbone=name, backbone_kwargs=kwargs, num_classes=3, arch_kwargs={"decoder_channels": 16}, aux_channels=8)
+    det = DetectionTask(backbone=name, backbone_kwargs=kwargs, num_classes=2, head="retinanet", fpn_channels=32)
+    for task, body in ((seg, seg.model.encoder.backbone), (det, det.model.backbone.body)):
+        randomize_(body, seed=7)
+        path = tmp_path / "last.ckpt"
+        torch.save({"state_dict": task.state_dict(), "hyper_parameters": {"backbone": name}, "epoch": 1}, path)
+        dst = vtdense.create_backbone(name, **kwargs)
+        report = vtdense.load_pretrained(dst, path)
+        assert report == ([], []) and report.format == "vtdense task checkpoint"
+        _same(body, dst, size=(1, 3, 64, 64))
+        not_backbone = {k for k in task.state_dict() if not k.startswith(("model.encoder.backbone.", "model.backbone.body."))}
+        assert not_backbone and {k for k, _ in report.dropped} == not_backbone
+        # (RetinaNet's ``model.head.*`` reads as a classification head: dropped either way)
+        assert {why for k, why in report.dropped if not k.startswith("model.head.")} == {"not part of the backbone (neck / head)"}
+
+
+def test_mmseg_checkpoint_heads_are_dropped_as_not_the_backbone() -> None:
+    """An mmseg UPerNet checkpoint: ``backbone.`` plus ``decode_head.`` and ``auxiliary_head.``;
+    both heads are reported as not the backbone's, the backbone loads."""
+    from test_swin import to_mmdet
+
+    src = randomize_(vtdense.create_backbone("swin_tiny", **SWIN), seed=8)
+    ckpt = {**to_mmdet(src.state_dict()), "decode_head.conv_seg.weight": torch.zeros(3, 8, 1, 1),
+            "auxiliary_head.conv_seg.weight": torch.zeros(3, 8, 1, 1), "auxiliary_head.convs.0.bn.running_mean": torch.zeros(8)}
+    dst = vtdense.create_backbone("swin_tiny", **SWIN)
+    report = vtdense.load_pretrained(dst, {"state_dict": ckpt, "meta": {"mmseg_version": "1.2.2"}})
+    assert report == ([], []) and report.format == "mmdet"
+    assert dict(report.dropped) == {k: "not part of the backbone (neck / head)" for k in ckpt if k.endswith("head") or "_head." in k}
+    _same(src, dst)
+
+
+def _tv_swin_v2(**kw) -> torch.nn.Module:
+    """A small torchvision Swin V2 (``swin_v2_t``'s blocks and merging) with random weights."""
+    from torchvision.models.swin_transformer import PatchMergingV2, SwinTransformer, SwinTransformerBlockV2
+
+    model = SwinTransformer(patch_size=[4, 4], embed_dim=16, depths=[1, 1, 2, 1], num_heads=[1, 2, 2, 4], window_size=[4, 4],
+                            block=SwinTransformerBlockV2, downsample_layer=PatchMergingV2, num_classes=3)
+    return randomize_(model, seed=10).eval()
+
+
+def test_load_report_accounts_for_every_checkpoint_tensor() -> None:
+    """Each checkpoint tensor is in exactly one place: loaded as it is (``loaded``), used to derive
+    or resize a model tensor (``derived`` / ``resized``, never also ``dropped``), or dropped with its
+    reason; and the summary says so in a few lines."""
+    from test_swin import to_mmdet
+    from vtdense.checkpoints.convert import convert_state_dict
+
+    def partition(report, raw: dict) -> tuple[set, set, set]:
+        loaded = [a for a, _ in report.loaded]
+        dropped = [k for k, _ in report.dropped]
+        assert len(set(loaded)) == len(loaded) and len(set(dropped)) == len(dropped) and not set(loaded) & set(dropped)
+        return set(loaded), set(dropped), set(raw) - set(loaded) - set(dropped)
+
+    # torchvision V2: one qkv.bias per block -> q_bias and v_bias; index / coordinate buffers recomputed
+    tv = _tv_swin_v2().state_dict()
+    v2 = vtdense.create_backbone("swinv2_tiny", **SWIN, out_norm=False)
+    report = vtdense.load_pretrained(v2, tv)
+    assert report == ([], []) and report.format == "torchvision" and report.resized == []
+    loaded, dropped, used = partition(report, tv)
+    qkv = {k for k in tv if k.endswith("attn.qkv.bias")}
+    assert used == qkv and len(qkv) == 5
+    blocks = [f"layers.{s}.blocks.{b}.attn." for s, d in enumerate(SWIN["depths"]) for b in range(d)]
+    assert sorted(k for k, _ in report.derived) == sorted(b + p for b in blocks for p in ("q_bias", "v_bias"))
+    reasons = dict(report.dropped)
+    assert {k for k, why in reasons.items() if why == "derived buffer, recomputed by vtdense"} == {
+        k for k in tv if k.endswith(("relative_position_index", "relative_coords_table"))}
+    assert {k for k, why in reasons.items() if why == "classification head / final norm"} == {"head.weight", "head.bias", "norm.weight", "norm.bias"}
+    text = report.summary()
+    assert f"{len(loaded)} tensors loaded as they are ({len(loaded)} renamed), 0 resized, 10 derived, {len(dropped)} dropped" in text
+    assert "dropped features.*.*.attn.relative_position_index (x5): derived buffer, recomputed by vtdense" in text
+    assert "derived layers.*.blocks.*.attn.q_bias (x5): a third of the checkpoint's qkv.bias" in text
+
+    # mmdet: the merging tensors are permuted (derived), the rest renamed
+    src = randomize_(vtdense.create_backbone("swin_tiny", **SWIN), seed=11)
+    mm = to_mmdet(src.state_dict())
+    report = vtdense.load_pretrained(vtdense.create_backbone("swin_tiny", **SWIN), mm)
+    loaded, dropped, used = partition(report, mm)
+    assert dropped == set() and used == {k for k in mm if ".downsample." in k} and len(used) == 9
+    assert sorted(k for k, _ in report.derived) == sorted(k for k in src.state_dict() if ".downsample." in k)
+
+    # a window change (V1): tables resized, not loaded and not dropped; at the same window, loaded as they are
+    sd = randomize_(vtdense.create_backbone("swin_tiny", **SWIN), seed=12).state_dict()
+    tables = {k for k in sd if k.endswith("relative_position_bias_table")}
+    report = vtdense.load_pretrained(vtdense.create_backbone("swin_tiny", **{**SWIN, "window_size": 6}), sd)
+    loaded, dropped, used = partition(report, sd)
+    assert dropped == set() and used == tables == {k for k, *_ in report.resized}
+    same = vtdense.create_backbone("swin_tiny", **SWIN)
+    report = vtdense.load_pretrained(same, sd)
+    assert report.resized == [] and set(report.loaded) == {(k, k) for k in sd}
+    assert "(0 renamed)" in report.summary() and "renamed, e.g." not in report.summary()
+    # the report is only written during its own load
+    convert_state_dict(sd, vtdense.create_backbone("swin_tiny", **{**SWIN, "window_size": 6}))
+    assert report.resized == []
+
+    # timm classification weights into a model with output norms: 8 norms kept, listed compressed
+    from timm.models.swin_transformer import SwinTransformer as TimmSwin
+
+    report = vtdense.load_pretrained(vtdense.create_backbone("swin_tiny", **SWIN), TimmSwin(img_size=64, num_classes=3, **SWIN).state_dict())
+    assert len(report.missing) == 8
+    assert "kept initialisation (not in checkpoint): out_norms.stage1.weight, " in report.summary()
+    assert "out_norms.stage3.bias, ... (2 more)" in report.summary()
+
+
+def test_load_backbone_sets_the_pretrained_window_only_where_it_keeps_a_meaning(tmp_path: Path) -> None:
+    """``load_backbone(window_size=...)`` of a Swin V2 file: a file already fine-tuned from a smaller
+    window (saved with its ``pretrained_window_size``) keeps that one at any new window (the
+    Log-CPB coordinates were normalised by it throughout); reloading at the saved window adds none."""
+
+    def pws(model) -> set:
+        return {m.pretrained_window_size for m in model.modules() if hasattr(m, "cpb_mlp")}
+
+    tuned = vtdense.create_backbone("swinv2_tiny", **{**SWIN, "window_size": 8, "pretrained_window_size": 4})
+    path = vtdense.save_backbone(randomize_(tuned, seed=13), tmp_path / "tuned.safetensors")
+    wider = vtdense.load_backbone(path, window_size=12)
+    assert pws(wider) == {(4, 4)} and wider.config["pretrained_window_size"] == 4
+    plain = vtdense.save_backbone(vtdense.create_backbone("swinv2_tiny", **SWIN), tmp_path / "plain.safetensors")
+    again = vtdense.load_backbone(plain, window_size=4)
+    assert pws(again) == {(0, 0)} and not again.config.get("pretrained_window_size")
+    assert vtdense.load_backbone(plain, window_size=8).config["pretrained_window_size"] == [4, 4]

@@ -73,6 +73,44 @@ def test_bin_fallback_revision_and_explicit_file(hub_cache) -> None:  # noqa: F8
     _assert_backbone_has(got, other.state_dict())
 
 
+def test_safetensors_preferred_and_config_read_at_the_same_revision(hub_cache) -> None:  # noqa: F811
+    """A repo with both ``model.safetensors`` and ``pytorch_model.bin`` (different weights here):
+    the safetensors file is read. ``config.json`` comes from the revision the weights came from
+    (its window differs between the two revisions), and is kept as the report's source config."""
+    a = randomize_(vtdense.create_backbone("swin_tiny", **TINY), seed=3)
+    b = randomize_(vtdense.create_backbone("swin_tiny", **TINY), seed=4)
+    main_cfg = {"architecture": "swin_tiny_patch4_window7_224"}
+    v2_cfg = {"architecture": "swin_tiny_patch4_window12_224"}
+    hub_cache("me/both", {"model.safetensors": a.state_dict(), "pytorch_model.bin": b.state_dict(), "config.json": main_cfg})
+    hub_cache("me/both", {"model.safetensors": b.state_dict(), "config.json": v2_cfg}, revision="v2")
+    model = vtdense.create_backbone("swin_tiny", pretrained="me/both", **TINY)
+    _assert_backbone_has(model, a.state_dict())
+    report = model.load_report
+    assert report.container == "safetensors" and report.source_config == main_cfg and report.source_window == (7, 7)
+    model = vtdense.create_backbone("swin_tiny", pretrained="me/both@v2", **TINY)
+    _assert_backbone_has(model, b.state_dict())
+    assert model.load_report.source_config == v2_cfg and model.load_report.source_window == (12, 12)
+
+
+def test_local_paths_and_ids_that_cannot_be_fetched(hub_cache, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """``~`` is the home directory (a local file); a ``PathLike`` is a local path even where its
+    text could be a repo id; an id the Hub client rejects (``..`` in it) and an ``hf-hub:`` name
+    without an org are one :class:`CheckpointError` naming what was given."""
+    src = randomize_(vtdense.create_backbone("swin_tiny", **TINY), seed=5)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    torch.save(src.state_dict(), tmp_path / "w.pth")
+    _assert_backbone_has(vtdense.create_backbone("swin_tiny", pretrained="~/w.pth", **TINY), src.state_dict())
+    model = vtdense.create_backbone("swin_tiny", **TINY)
+    with pytest.raises(CheckpointError, match="checkpoint file not found: org/repo"):
+        vtdense.load_pretrained(model, Path("org/repo"))
+    with pytest.raises(CheckpointError, match=r"cannot fetch Hub checkpoint 'org/bad\.\.name' \(repo org/bad\.\.name\): HFValidationError"):
+        vtdense.load_pretrained(model, "org/bad..name")
+    with pytest.raises(CheckpointError, match=r"'justaname' is not a Hugging Face Hub id \(expected org/repo\)"):
+        vtdense.load_pretrained(model, "hf-hub:justaname")
+    assert window_from_hub_config({"model_name": "swin_base_patch4_window12_384"}) == 12
+    assert window_from_hub_config({"architecture": "resnet50"}) is None
+
+
 def test_missing_from_offline_cache_is_one_clear_error(hub_cache, tmp_path: Path) -> None:  # noqa: F811
     with pytest.raises(CheckpointError, match=r"timm/not_cached.*model.safetensors, pytorch_model.bin.*HF_HUB_OFFLINE=1"):
         vtdense.create_backbone("swin_tiny", pretrained="timm/not_cached", **TINY)

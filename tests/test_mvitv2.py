@@ -179,6 +179,30 @@ def test_flat_layouts_round_trip() -> None:
             assert torch.allclose(renormed, expected[k], atol=1e-5), k
 
 
+def test_original_layout_of_a_large_style_model_and_class_token_checkpoints() -> None:
+    """The flat layout where the width changes in the MLP (``expand_attn=False``, mvitv2_large's
+    layout): ``blocks.{i}.proj`` is ``shortcut_proj_mlp`` there, and the features equal timm's.
+    timm's ``mvitv2_*_cls`` checkpoints carry a class token vtdense has no use for (detectron2's
+    MViT, which vtdense follows, drops it too): dropped as a classification weight, all else loads."""
+    cfg = MultiScaleVitCfg(depths=SMALL_L["depths"], embed_dim=16, num_heads=1, expand_attn=False)
+    ref = randomize_(MultiScaleVit(cfg, img_size=64, num_classes=0), seed=4).eval()
+    flat = to_flat(ref.state_dict(), cfg.depths, False)
+    assert any(re.match(r"blocks\.\d+\.proj\.weight", k) for k in flat)
+    ours = MViTv2(**SMALL_L, out_norm=False).eval()
+    report = vtdense.load_pretrained(ours, {"model_state": flat})
+    assert report == ([], []) and report.format == "mvit (original)"
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        for e, g in zip(timm_features(ref, x), ours(x).values()):
+            assert g.shape == e.shape and e.std() > 0.1  # not near-constant maps
+            assert (g - e).abs().max().item() < 1e-4
+    cls_cfg = MultiScaleVitCfg(depths=SMALL_L["depths"], embed_dim=16, num_heads=1, expand_attn=False, use_cls_token=True)
+    with_cls = MultiScaleVit(cls_cfg, img_size=64, num_classes=3).state_dict()
+    assert "cls_token" in with_cls
+    report = vtdense.load_pretrained(MViTv2(**SMALL_L, out_norm=False), with_cls)
+    assert report == ([], []) and ("cls_token", "classification head / final norm") in report.dropped
+
+
 def test_checkpoint_errors_and_table_resize() -> None:
     src = vtdense.create_backbone("mvitv2_tiny")
     sd = src.state_dict()

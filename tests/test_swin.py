@@ -103,30 +103,50 @@ def test_loads_torchvision_swin(version: int) -> None:
         assert (g - e).abs().max().item() < 1e-4
 
 
-def test_loads_mmdet_layout_with_output_norms() -> None:
-    """mmdet Swin: ``stages.*``, ``attn.w_msa``, ``ffn.layers``, unfold-ordered merging, ``norm{i}``."""
-    src = randomize_(vtdense.create_backbone("swin_tiny", **{**TINY, "window_size": 7}), seed=3).eval()
+def to_mmdet(sd: dict[str, torch.Tensor], prefix: str = "backbone.") -> dict[str, torch.Tensor]:
+    """vtdense Swin V1 -> mmdet/mmseg names: ``stages.*``, ``attn.w_msa``, ``ffn.layers``,
+    unfold-ordered merging at the end of a stage, ``norm{i}``. ``prefix=""`` is the layout of
+    mmdet's converted ImageNet backbones (``swin2mmdet``)."""
     mm = {}
-    for k, v in src.state_dict().items():
+    for k, v in sd.items():
         m = re.match(r"layers\.(\d+)\.downsample\.(.*)", k)
         if m:
             if m[2] in ("reduction.weight", "norm.weight", "norm.bias"):  # concat order -> unfold order
                 c4 = v.shape[-1]
                 v = v.reshape(*v.shape[:-1], 4, c4 // 4)[..., [0, 2, 1, 3], :].transpose(-1, -2).reshape(*v.shape[:-1], c4)
-            mm[f"backbone.stages.{int(m[1]) - 1}.downsample.{m[2]}"] = v
+            mm[f"{prefix}stages.{int(m[1]) - 1}.downsample.{m[2]}"] = v
             continue
         k = k.replace("patch_embed.proj.", "patch_embed.projection.").replace("attn.qkv", "attn.w_msa.qkv")
         k = k.replace("attn.proj", "attn.w_msa.proj").replace("attn.relative_position_bias_table", "attn.w_msa.relative_position_bias_table")
         k = k.replace("mlp.fc1.", "ffn.layers.0.0.").replace("mlp.fc2.", "ffn.layers.1.")
         k = re.sub(r"^layers\.", "stages.", k)
         k = re.sub(r"out_norms\.stage(\d)\.", lambda m: f"norm{int(m[1]) - 1}.", k)
-        mm["backbone." + k] = v
+        mm[prefix + k] = v
+    return mm
+
+
+def test_loads_mmdet_layout_with_output_norms() -> None:
+    """mmdet Swin: ``stages.*``, ``attn.w_msa``, ``ffn.layers``, unfold-ordered merging, ``norm{i}``."""
+    src = randomize_(vtdense.create_backbone("swin_tiny", **{**TINY, "window_size": 7}), seed=3).eval()
+    mm = to_mmdet(src.state_dict())
     dst = vtdense.create_backbone("swin_tiny", **{**TINY, "window_size": 7}).eval()
     vtdense.load_pretrained(dst, {"state_dict": mm})
     x = torch.randn(1, 3, 64, 96)
     with torch.no_grad():
         for a, b in zip(src(x).values(), dst(x).values()):
             assert torch.equal(a, b)
+    # the unfold order itself, independently of ``to_mmdet``: mmdet's merging from its definition
+    # (``nn.Unfold(2, stride=2)``, channel-major ``c * 4 + kh * 2 + kw``, then norm and reduction)
+    # on the mmdet tensors equals vtdense's merging on the converted ones
+    x = torch.randn(2, 8, 6, 16)  # (B, H, W, C) into stage 2's merging
+    cols = torch.nn.functional.unfold(x.permute(0, 3, 1, 2), kernel_size=2, stride=2).transpose(1, 2)
+    p = "backbone.stages.0.downsample."
+    expected = torch.nn.functional.linear(
+        torch.nn.functional.layer_norm(cols, (64,), mm[p + "norm.weight"], mm[p + "norm.bias"]), mm[p + "reduction.weight"]
+    )
+    with torch.no_grad():
+        got = dst.layers[1].downsample(x).reshape(2, 12, 32)
+    assert torch.allclose(got, expected, atol=1e-5)
 
 
 def test_checkpoint_errors_are_clear(tmp_path) -> None:
@@ -146,6 +166,32 @@ def test_checkpoint_errors_are_clear(tmp_path) -> None:
     good = tmp_path / "good.pth"
     torch.save({"model": model.state_dict()}, good)
     vtdense.load_pretrained(model, good)
+
+
+def test_official_release_with_persisted_buffers_and_data_parallel_prefix() -> None:
+    """The official microsoft/Swin-Transformer ``.pth`` files persist ``attn.relative_position_index``
+    and, in shifted blocks, ``attn_mask`` (timm keeps the same buffers, under the same names, as
+    non-persistent ones: ``named_buffers`` gives exactly what the official code saves). They are
+    recomputed, never loaded, and a ``module.`` (DataParallel / DDP) prefix is stripped: the
+    features equal timm's."""
+    from timm.models.swin_transformer import SwinTransformer as TimmSwin
+
+    ref = randomize_(TimmSwin(img_size=128, num_classes=5, **TINY), seed=9).eval()
+    sd = {**ref.state_dict(), **dict(ref.named_buffers())}
+    assert any(k.endswith("attn_mask") for k in sd) and any(k.endswith("relative_position_index") for k in sd)
+    official = {re.sub(r"^layers\.(\d+)\.downsample", lambda m: f"layers.{int(m[1]) - 1}.downsample", k): v for k, v in sd.items()}
+    x = torch.randn(1, 3, 128, 128)
+    with torch.no_grad():
+        expected = ref.forward_intermediates(x, intermediates_only=True)
+    for ckpt in ({"model": official}, {"model": {f"module.{k}": v for k, v in official.items()}}):
+        ours = vtdense.create_backbone("swin_tiny", **TINY, out_norm=False).eval()
+        report = vtdense.load_pretrained(ours, ckpt)
+        assert report == ([], []) and report.format == "official"
+        derived = {k for k, why in report.dropped if why == "derived buffer, recomputed by vtdense"}
+        assert derived == {k for k in official if k.endswith(("attn_mask", "relative_position_index"))}  # named unwrapped
+        with torch.no_grad():
+            for e, g in zip(expected, ours(x).values()):
+                assert g.shape == e.shape and (g - e).abs().max().item() < 1e-4
 
 
 def test_window_change_resizes_v1_bias_table() -> None:
@@ -173,6 +219,35 @@ def test_bias_table_of_a_non_square_window_is_one_clear_error() -> None:
     dst = vtdense.create_backbone("swin_tiny", **{**TINY, "window_size": (6, 8)})
     with pytest.raises(CheckpointError, match=r"layers\.0\.blocks\.0\.attn\.relative_position_bias_table: a bias table of 77 rows is not one of a square window.*does not say which non-square window.*6x8"):
         vtdense.load_pretrained(dst, src.state_dict())
+    # a square row count of even side (64 = 8^2; (2w-1)^2 is odd for every w): not a Swin table at
+    # all, the same error (not a ValueError from inside the resize)
+    sd = src.state_dict()
+    sd["layers.0.blocks.0.attn.relative_position_bias_table"] = torch.zeros(64, 1)
+    with pytest.raises(CheckpointError, match=r"relative_position_bias_table: a bias table of 64 rows is not one of a square window"):
+        vtdense.load_pretrained(dst, sd)
+
+
+def test_checkpoint_of_another_shape_is_one_error_naming_keys_and_shapes() -> None:
+    """A checkpoint of another ``mlp_ratio`` has every key, each MLP weight of another shape: under
+    ``strict`` one error listing them with both shapes (nothing is loaded); a missing block norm is
+    an error too (only the output norms, absent from classification checkpoints, are tolerated)."""
+    src = vtdense.create_backbone("swin_tiny", **TINY, mlp_ratio=2.0)
+    dst = vtdense.create_backbone("swin_tiny", **TINY)
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    mismatch = r"shape mismatches \(24\): layers\.0\.blocks\.0\.mlp\.fc1\.weight: checkpoint \(32, 16\) vs model \(64, 16\)"
+    with pytest.raises(CheckpointError, match=mismatch) as e:
+        vtdense.load_pretrained(dst, src.state_dict())
+    assert "missing keys" not in str(e.value) and "unexpected keys" not in str(e.value)
+    assert all(torch.equal(v, before[k]) for k, v in dst.state_dict().items())
+    # strict=False loads the rest; the report says why the MLP tensors were not loaded
+    report = vtdense.load_pretrained(dst, src.state_dict(), strict=False)
+    assert report == ([], []) and len(report.loaded) == len(before) - 24
+    assert {why for _, why in report.dropped} == {"shape does not fit the model's tensor"} and len(report.dropped) == 24
+    assert torch.equal(dst.layers[0].blocks[0].mlp.fc1.weight, before["layers.0.blocks.0.mlp.fc1.weight"])
+    sd = vtdense.create_backbone("swin_tiny", **TINY).state_dict()
+    sd.pop("layers.2.blocks.1.norm1.weight")
+    with pytest.raises(CheckpointError, match=r"missing keys \(1\): layers\.2\.blocks\.1\.norm1\.weight"):
+        vtdense.load_pretrained(dst, sd)
 
 
 def _brute_force_window_attention(block: SwinBlock, x: torch.Tensor) -> torch.Tensor:

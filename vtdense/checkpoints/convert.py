@@ -307,7 +307,9 @@ def _drop_reason(key: str, prefixes_stripped: bool) -> str:
         return "derived buffer, recomputed by vtdense"
     if _CLASSIFIER.search(bare):
         return "classification head / final norm"
-    if prefixes_stripped and key.startswith(("backbone.", "model.", "roi_heads.", "proposal_generator.", "decode_head.", "neck.")):
+    if prefixes_stripped and key.startswith(
+        ("backbone.", "model.", "roi_heads.", "proposal_generator.", "decode_head.", "auxiliary_head.", "aux_head.", "neck.")
+    ):
         return "not part of the backbone (neck / head)"
     return "stage or output the model does not build"
 
@@ -438,7 +440,12 @@ def load_pretrained(
             report.loaded.append((src, k))
             used.add(src)
     stripped = any(k.startswith(("backbone.", "model.", "encoder.")) for k in raw)
-    report.dropped.extend((k, _drop_reason(k, stripped)) for k, v in raw.items() if k not in used and id(v) not in report.consumed)
+    misfit = {origin[id(v)] for k, v in sd.items() if k in own and own[k].shape != v.shape and id(v) in origin}  # strict=False
+    report.dropped.extend(
+        (k, "shape does not fit the model's tensor" if k in misfit else _drop_reason(k, stripped))
+        for k, v in raw.items()
+        if k not in used and id(v) not in report.consumed
+    )
     report.missing.extend(missing)
     report.unexpected.extend(unexpected)
     _window_notes(report, model)
