@@ -83,8 +83,9 @@ def register_converter(family: str) -> Callable:
     return wrap
 
 
-# Lightning checkpoints of vtdense's own tasks: SegmentationTask (SMP encoder), DetectionTask (FPN body).
-_TASK_PREFIXES = ("model.encoder.backbone.", "model.backbone.body.")
+# Lightning checkpoints of vtdense's own tasks: SegmentationTask (SMP encoder), DetectionTask (FPN body);
+# then the state dicts of the models alone (``build_segmentor``, ``build_detector``).
+_TASK_PREFIXES = ("model.encoder.backbone.", "model.backbone.body.", "encoder.backbone.", "backbone.body.")
 
 
 def _strip_prefix(sd: dict[str, Tensor], prefixes: tuple[str, ...]) -> dict[str, Tensor]:
@@ -261,7 +262,8 @@ def detect_format(state_dict: Mapping[str, Tensor], model: nn.Module) -> str:
     """Name the key layout of an (unwrapped) state dict for ``model``'s family.
 
     Returns one of ``vtdense``, ``vtdense task checkpoint`` (a Lightning checkpoint of
-    ``SegmentationTask`` / ``DetectionTask``), ``timm``, ``timm features_only``, ``official``,
+    ``SegmentationTask`` / ``DetectionTask``), ``vtdense model`` (the state dict of a
+    ``build_segmentor`` / ``build_detector`` model), ``timm``, ``timm features_only``, ``official``,
     ``torchvision``, ``mmdet``, ``detectron2``, ``mvit (original)``.
     """
     keys = list(state_dict)
@@ -272,14 +274,18 @@ def detect_format(state_dict: Mapping[str, Tensor], model: nn.Module) -> str:
 
     if has(r"model\.(encoder\.backbone|backbone\.body)\."):
         return "vtdense task checkpoint"
+    if has(r"(encoder\.backbone|backbone\.body)\."):
+        return "vtdense model"
     if has(r"backbone\.bottom_up\."):
         return "detectron2"
     if _family(model) == "mvitv2":
         if has(r"(model\.)?blocks\.\d+\."):
             return "mvit (original)"
-        return "vtdense" if has(r"out_norms\.") else "timm"
+        return "vtdense" if has(r"(backbone\.)?out_norms\.") else "timm"
     if has(r"(backbone\.)?features\.\d"):
         return "torchvision"
+    if has(r"backbone\.layers\.\d"):  # an SMP encoder's (VtdenseEncoder) or a wrapped timm model's
+        return "vtdense" if has(r"backbone\.out_norms\.") else "timm"
     if has(r"(backbone\.)?stages\.\d") or has(r"backbone\."):
         return "mmdet"
     if has(r"layers_\d\."):
@@ -301,10 +307,15 @@ _CLASSIFIER = re.compile(r"^(head\.|fc\.|norm\.|fc_norm\.|head_drop|cls_token$)"
 _DERIVED = re.compile(r"(relative_position_index|relative_coords_table|attn_mask|\.k_bias$)")
 
 
-def _drop_reason(key: str, prefixes_stripped: bool) -> str:
+def _drop_reason(key: str, prefixes_stripped: bool, whole_model: bool = False) -> str:
+    """Why ``key`` was not loaded; ``whole_model``: the checkpoint is a vtdense task's or model's
+    (its backbone under one of :data:`_TASK_PREFIXES`), so whatever lies outside is a neck or a
+    head (RetinaNet's ``head.`` included), not a classifier."""
     bare = re.sub(r"^(backbone\.bottom_up\.|backbone\.|model\.|encoder\.)", "", key)
     if _DERIVED.search(bare):
         return "derived buffer, recomputed by vtdense"
+    if whole_model and not key.startswith(_TASK_PREFIXES):
+        return "not part of the backbone (neck / head)"
     if _CLASSIFIER.search(bare):
         return "classification head / final norm"
     if prefixes_stripped and key.startswith(
@@ -440,9 +451,10 @@ def load_pretrained(
             report.loaded.append((src, k))
             used.add(src)
     stripped = any(k.startswith(("backbone.", "model.", "encoder.")) for k in raw)
+    whole_model = any(k.startswith(_TASK_PREFIXES) for k in raw)
     misfit = {origin[id(v)] for k, v in sd.items() if k in own and own[k].shape != v.shape and id(v) in origin}  # strict=False
     report.dropped.extend(
-        (k, "shape does not fit the model's tensor" if k in misfit else _drop_reason(k, stripped))
+        (k, "shape does not fit the model's tensor" if k in misfit else _drop_reason(k, stripped, whole_model))
         for k, v in raw.items()
         if k not in used and id(v) not in report.consumed
     )

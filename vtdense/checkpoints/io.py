@@ -1,6 +1,8 @@
 """Reading and writing checkpoint files safely.
 
-The container is recognised from the file's first bytes, never from its name:
+The container is recognised from the file's first bytes (one exception: a pickle that torch's
+``weights_only`` loader refuses is read as a detectron2 pickle only when its name ends in ``.pkl``,
+so a torch file with pickled code gets torch's error, not the detectron2 reader's):
 
 - safetensors (``save_backbone``'s format; timm / Hugging Face ``model.safetensors``): tensors
   plus string metadata.
