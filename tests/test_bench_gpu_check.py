@@ -45,3 +45,6 @@ def test_gpu_session_script_rejects_an_unknown_mode() -> None:
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_session.sh"), "bogus"], capture_output=True,
                           text=True, timeout=30, check=False)
     assert proc.returncode == 2 and "usage:" in proc.stderr
+    assert "all [TOTAL_SECONDS]" in proc.stderr  # the one-call mode for a 15-minute device budget
+    syntax = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True, timeout=30)
+    assert syntax.returncode == 0, syntax.stderr
