@@ -139,6 +139,22 @@ def test_without_logger_writes_to_default_root_and_resume_keeps_rows(tmp_path: P
     assert all(r["val/mse"] for r in rows)
 
 
+def test_lr_column_is_the_largest_group_rate_per_optimiser() -> None:
+    """``lr`` is the largest learning rate over the optimiser's parameter groups (layer-wise decay
+    gives the backbone groups far smaller rates: their minimum would hide the schedule); with
+    several optimisers each gets its own ``lr/opt<i>`` column."""
+
+    def sgd(*rates: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": r} for r in rates])
+
+    class Trainer:
+        optimizers = [sgd(1e-4, 3e-2, 1e-3)]
+
+    assert TrainingCurves._learning_rates(Trainer()) == {"lr": 3e-2}
+    Trainer.optimizers = [sgd(1e-4, 3e-2), sgd(5e-3)]
+    assert TrainingCurves._learning_rates(Trainer()) == {"lr/opt0": 3e-2, "lr/opt1": 5e-3}
+
+
 DDP_SCRIPT = '''
 import sys, torch, lightning as L
 from lightning.pytorch.loggers import CSVLogger
