@@ -155,6 +155,18 @@ def test_lr_column_is_the_largest_group_rate_per_optimiser() -> None:
     assert TrainingCurves._learning_rates(Trainer()) == {"lr/opt0": 3e-2, "lr/opt1": 5e-3}
 
 
+def test_max_val_panels_limits_the_plot_not_the_csv(tmp_path: Path) -> None:
+    """``max_val_panels`` caps the validation panels of the PNG; the CSV keeps every metric."""
+    curves = TrainingCurves(max_val_panels=1)
+    curves.run_dir = tmp_path
+    curves.rows = {0: {"step": 3.0, "lr": 0.1, "val/a": 1.0, "val/b": 2.0, "val/c": 3.0}}
+    curves.write()
+    cols, rows = _read_csv(curves.csv_path)
+    assert cols == ["epoch", "step", "lr", "val/a", "val/b", "val/c"] and rows[0]["val/c"] == "3.0"
+    with Image.open(curves.png_path) as img:
+        assert img.size == (800, 300)  # 2 panels (lr, val/a) of 4 x 3 in at 100 dpi
+
+
 DDP_SCRIPT = '''
 import sys, torch, lightning as L
 from lightning.pytorch.loggers import CSVLogger

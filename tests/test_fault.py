@@ -97,6 +97,7 @@ def test_sigterm_on_any_rank_saves_last_once_per_step(tmp_path: Path) -> None:
     trainer = _SigtermTrainer(tmp_path, other_rank_signalled=True)
     cb = CheckpointOnSigterm()
     cb.on_train_batch_end(trainer, None, None, None, 0)
+    assert trainer.saved == [(tmp_path / "a" / "last.ckpt", 5)]  # at the batch end, before Lightning stops
     cb.on_exception(trainer, None, SIGTERMException())
     assert trainer.saved == [(tmp_path / "a" / "last.ckpt", 5)]
     trainer.global_step = 6
