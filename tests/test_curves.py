@@ -139,6 +139,34 @@ def test_without_logger_writes_to_default_root_and_resume_keeps_rows(tmp_path: P
     assert all(r["val/mse"] for r in rows)
 
 
+def test_lr_column_is_the_largest_group_rate_per_optimiser() -> None:
+    """``lr`` is the largest learning rate over the optimiser's parameter groups (layer-wise decay
+    gives the backbone groups far smaller rates: their minimum would hide the schedule); with
+    several optimisers each gets its own ``lr/opt<i>`` column."""
+
+    def sgd(*rates: float) -> torch.optim.Optimizer:
+        return torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": r} for r in rates])
+
+    class Trainer:
+        optimizers = [sgd(1e-4, 3e-2, 1e-3)]
+
+    assert TrainingCurves._learning_rates(Trainer()) == {"lr": 3e-2}
+    Trainer.optimizers = [sgd(1e-4, 3e-2), sgd(5e-3)]
+    assert TrainingCurves._learning_rates(Trainer()) == {"lr/opt0": 3e-2, "lr/opt1": 5e-3}
+
+
+def test_max_val_panels_limits_the_plot_not_the_csv(tmp_path: Path) -> None:
+    """``max_val_panels`` caps the validation panels of the PNG; the CSV keeps every metric."""
+    curves = TrainingCurves(max_val_panels=1)
+    curves.run_dir = tmp_path
+    curves.rows = {0: {"step": 3.0, "lr": 0.1, "val/a": 1.0, "val/b": 2.0, "val/c": 3.0}}
+    curves.write()
+    cols, rows = _read_csv(curves.csv_path)
+    assert cols == ["epoch", "step", "lr", "val/a", "val/b", "val/c"] and rows[0]["val/c"] == "3.0"
+    with Image.open(curves.png_path) as img:
+        assert img.size == (800, 300)  # 2 panels (lr, val/a) of 4 x 3 in at 100 dpi
+
+
 DDP_SCRIPT = '''
 import sys, torch, lightning as L
 from lightning.pytorch.loggers import CSVLogger

@@ -176,6 +176,27 @@ def test_coco_recipe_ddp_bf16_writes_what_one_process_writes(coco5: Path, tmp_pa
     assert ev.stats[0] == pytest.approx(saved["metrics"]["val/bbox_mAP"], abs=1e-6)
 
 
+def test_trainer_options_turn_fsdp_and_fp16_into_the_sharded_scaler() -> None:
+    """``trainer_options`` (in one process, no process group): ``strategy="fsdp"`` becomes vtdense's
+    FSDP2 strategy; ``16-mixed`` and its alias ``16`` become a ``MixedPrecision`` plugin with the
+    sharded scaler for the accelerator named, appended to the plugins given, with the precision flag
+    cleared (Lightning refuses both); other strategies pass through untouched."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from vtdense.strategies import VtdenseFSDPStrategy, trainer_options
+
+    plain = {"strategy": "ddp", "precision": "16-mixed"}
+    assert trainer_options(plain) is plain
+    for precision in ("16-mixed", "16"):
+        got = trainer_options({"strategy": "fsdp", "precision": precision, "accelerator": "cpu", "plugins": ["x"]})
+        assert isinstance(got["strategy"], VtdenseFSDPStrategy) and got["precision"] is None
+        assert got["plugins"][0] == "x" and len(got["plugins"]) == 2
+        plugin = got["plugins"][1]
+        assert plugin.precision == "16-mixed" and plugin.device == "cpu" and isinstance(plugin.scaler, ShardedGradScaler)
+    got = trainer_options({"strategy": "fsdp", "precision": "bf16-mixed", "accelerator": "cpu"})
+    assert got["precision"] == "bf16-mixed" and "plugins" not in got
+
+
 def test_fsdp_strategy_shards_every_transformer_block(tmp_path: Path) -> None:
     """``--trainer.strategy fsdp`` builds vtdense's FSDP2 strategy, which makes every Swin block an
     FSDP unit (plus the entry modules), recomputes the blocks in backward, and keeps parameter names."""

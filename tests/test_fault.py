@@ -49,6 +49,128 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
     assert ckpt["n"] == 1 and torch.equal(ckpt["state_dict"]["w"], torch.ones(3))
 
 
+def test_failed_save_keeps_the_previous_checkpoint_and_no_temporary(tmp_path: Path) -> None:
+    """A save that raises (here an unpicklable value) leaves the previous file as it was and no
+    ``.last.ckpt.tmp<pid>`` behind (those would pile up over a run's retries)."""
+    path = tmp_path / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"n": 1}, path)
+    with pytest.raises(Exception):
+        io.save_checkpoint({"n": 2, "bad": lambda: None}, path)
+    assert torch.load(path, weights_only=True) == {"n": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+class _SigtermTrainer:
+    """What CheckpointOnSigterm reads of a trainer, on one rank of two; the other rank may have the signal."""
+
+    def __init__(self, tmp_path: Path, other_rank_signalled: bool) -> None:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        self.checkpoint_callbacks = [ModelCheckpoint(), ModelCheckpoint(dirpath=tmp_path / "a"),
+                                     ModelCheckpoint(dirpath=tmp_path / "b")]
+        self.received_sigterm, self.other = False, other_rank_signalled
+        self.global_step, self.is_global_zero, self.saved = 5, False, []
+        self.state = type("State", (), {"fn": "fit"})()
+        self.strategy = self
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002
+        return (decision and self.other) if all else (decision or self.other)
+
+    def save_checkpoint(self, path: Path) -> None:
+        self.saved.append((Path(path), self.global_step))
+
+
+def test_sigterm_on_any_rank_saves_last_once_per_step(tmp_path: Path) -> None:
+    """``CheckpointOnSigterm``: a signal on another rank is enough (the decision is an OR over ranks,
+    or the ranks would save apart, a deadlock under DDP); the file is the first checkpoint
+    directory's ``last.ckpt``; one save per step, whether from the batch end or from Lightning's
+    ``SIGTERMException``; nothing without a signal, for other exceptions, or outside fitting."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from vtdense.tasks.fault import CheckpointOnSigterm
+
+    quiet = _SigtermTrainer(tmp_path, other_rank_signalled=False)
+    cb = CheckpointOnSigterm()
+    cb.on_train_batch_end(quiet, None, None, None, 0)
+    assert quiet.saved == []
+    trainer = _SigtermTrainer(tmp_path, other_rank_signalled=True)
+    cb = CheckpointOnSigterm()
+    cb.on_train_batch_end(trainer, None, None, None, 0)
+    assert trainer.saved == [(tmp_path / "a" / "last.ckpt", 5)]  # at the batch end, before Lightning stops
+    cb.on_exception(trainer, None, SIGTERMException())
+    assert trainer.saved == [(tmp_path / "a" / "last.ckpt", 5)]
+    trainer.global_step = 6
+    cb.on_exception(trainer, None, RuntimeError("not a signal"))
+    trainer.state.fn = "validate"
+    cb.on_exception(trainer, None, SIGTERMException())
+    trainer.state.fn = "fit"
+    assert len(trainer.saved) == 1
+    cb.on_exception(trainer, None, SIGTERMException())
+    assert trainer.saved[1:] == [(tmp_path / "a" / "last.ckpt", 6)]
+
+
+def test_resume_restores_this_ranks_generators_only_when_fitting() -> None:
+    """``on_load_checkpoint`` sets the generators from the checkpoint entry of this process's rank
+    (rank 1 of 2 here), so each rank draws what it would have drawn uninterrupted; a checkpoint
+    loaded to validate or test, or saved with another process count, leaves them alone."""
+    import random
+
+    import numpy as np
+
+    from vtdense.tasks.fault import rng_state
+
+    def draws() -> tuple:
+        return torch.rand(3), random.random(), float(np.random.rand())
+
+    states, expected = [], []
+    for seed in (1, 2):
+        L.seed_everything(seed, verbose=False)
+        states.append(rng_state())
+        expected.append(draws())
+    task = _task()
+
+    class Trainer:
+        world_size, global_rank, ckpt_path = 2, 1, None
+        state = type("State", (), {"fn": "fit"})()
+
+    task._trainer = Trainer()  # type: ignore[assignment]
+    L.seed_everything(7, verbose=False)
+    untouched = draws()
+    for fn, saved in (("validate", states), ("fit", states[:1])):
+        Trainer.state.fn = fn
+        L.seed_everything(7, verbose=False)
+        task.on_load_checkpoint({"vtdense_rng": saved})
+        t, r, n = draws()
+        assert torch.equal(t, untouched[0]) and (r, n) == untouched[1:]
+    Trainer.state.fn = "fit"
+    task.on_load_checkpoint({"vtdense_rng": states})
+    t, r, n = draws()
+    assert torch.equal(t, expected[1][0]) and (r, n) == expected[1][1:]
+
+
+def test_checkpoint_callbacks_and_saved_generator_states() -> None:
+    """``configure_callbacks``: the best/last checkpoint, one writing ``last.ckpt`` every
+    ``checkpoint_every_n_steps`` optimiser steps, and the SIGTERM saver; ``on_save_checkpoint`` stores
+    one generator state per process (what a resume on each rank reads back)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from vtdense.tasks.fault import CheckpointOnSigterm
+
+    callbacks = _task(checkpoint_every_n_steps=3).configure_callbacks()
+    steps = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint) and cb._every_n_train_steps]
+    assert [(cb._every_n_train_steps, cb.save_last, cb.save_top_k) for cb in steps] == [(3, True, 0)]
+    assert sum(isinstance(cb, CheckpointOnSigterm) for cb in callbacks) == 1
+    assert not any(isinstance(cb, ModelCheckpoint) and cb._every_n_train_steps for cb in _task().configure_callbacks())
+    ckpt: dict[str, Any] = {}
+    task = _task()
+    torch.manual_seed(3)
+    task.on_save_checkpoint(ckpt)
+    expected = torch.rand(2)
+    torch.set_rng_state(ckpt["vtdense_rng"][0]["torch"])
+    assert len(ckpt["vtdense_rng"]) == 1 and torch.equal(torch.rand(2), expected)
+
+
 @pytest.fixture(scope="module")
 def coco(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_synthetic_coco(tmp_path_factory.mktemp("fault") / "coco", num_train=6, num_val=2, size_range=(64, 80),

@@ -83,6 +83,21 @@ def test_parameters_torch_has_no_fused_kernel_for_keep_the_default() -> None:
         adamw([{"params": meta}], fused=True)
 
 
+def test_parameters_the_fused_kernel_cannot_step_are_named() -> None:
+    """The blocker's parameter checks one by one: tensors on two devices (here the CPU and meta), a
+    tensor subclass other than FSDP2's DTensor, and a non-float tensor each keep the default
+    optimizer and name the cause; plain float parameters on one device pass."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    cpu = nn.Parameter(torch.zeros(2))
+    assert fused_adamw_blocker([cpu, nn.Parameter(torch.zeros(2))]) is None
+    assert "several devices (cpu, meta)" in str(fused_adamw_blocker([cpu, nn.Parameter(torch.zeros(2, device="meta"))]))
+    assert "Sub (a tensor subclass)" in str(fused_adamw_blocker([cpu, torch.zeros(2).as_subclass(Sub)]))
+    assert "dtype torch.int64" in str(fused_adamw_blocker([cpu, torch.zeros(2, dtype=torch.int64)]))
+
+
 def test_bf16_training_with_clipping_runs_on_the_default_optimizer(tmp_path: Path) -> None:
     """Under ``bf16-mixed`` with ``gradient_clip_val`` the auto choice must not hand Lightning a fused
     optimizer (Lightning raises at the first step); without clipping the task steps fused."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -331,6 +332,78 @@ def test_optimizer_groups_skip_decay_on_norms_biases_and_tables() -> None:
         no_decay = name.endswith(".bias") or "norm" in name or "relative_position_bias_table" in name
         assert (pid in decay) == (not no_decay), name
     assert conf["lr_scheduler"]["interval"] == "step"
+
+
+def test_lr_schedules_equal_hand_computed_multipliers() -> None:
+    """``warmup_schedule`` against the formulas written out by hand: linear warmup from
+    ``warmup_factor`` (mmdet's ``LinearLR``), the step schedule counting a milestone from its own
+    step on, half-cosine and poly decay to ``min_factor``, and both held at the end past ``total_steps``
+    (a poly base must never go negative: a fractional power of it would be complex)."""
+    from vtdense.tasks.optim import warmup_schedule
+
+    step = dict(kind="step", total_steps=20, warmup_steps=2, warmup_factor=1e-3, milestones=(4, 8), gamma=0.1)
+    got = [warmup_schedule(s, **step) for s in range(10)]
+    assert got == pytest.approx([1e-3, 0.5005, 1, 1, 0.1, 0.1, 0.1, 0.1, 0.01, 0.01])
+    cos = dict(kind="cosine", total_steps=10, min_factor=0.1)
+    assert [warmup_schedule(s, **cos) for s in (0, 5, 10, 15)] == pytest.approx([1.0, 0.55, 0.1, 0.1])
+    assert warmup_schedule(2, **cos) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.2)))
+    # warmup multiplies the decay: step 1 of 4 is 1/4 of the way from 1e-3 to 1
+    assert warmup_schedule(1, **cos, warmup_steps=4, warmup_factor=1e-3) == pytest.approx(
+        (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.1))) * (1e-3 * 0.75 + 0.25))
+    poly = dict(kind="poly", total_steps=10, power=0.9)
+    assert [warmup_schedule(s, **poly) for s in (0, 5, 10, 12)] == pytest.approx([1.0, 0.5**0.9, 0.0, 0.0])
+    assert warmup_schedule(3, **poly, min_factor=0.05) == pytest.approx(0.05 + 0.95 * 0.7**0.9)
+    assert warmup_schedule(12, **poly, min_factor=0.05) == pytest.approx(0.05)
+    assert warmup_schedule(7, kind="constant", total_steps=10) == 1.0
+
+
+def test_param_groups_decay_and_backbone_multiplier_by_name() -> None:
+    """Which parameters decay and which carry the backbone multiplier, by name: 1-D tensors, biases,
+    the position tables of Swin and MViTv2 (``relative_position_bias_table``, ``rel_pos_h/w``,
+    ``pos_embed``, all >= 2-D) and extra keywords never decay; frozen parameters are left out."""
+    from vtdense.tasks.optim import param_groups
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Module()
+            self.body.fc = nn.Linear(4, 4)
+            self.body.pos_embed = nn.Parameter(torch.zeros(1, 4, 4))
+            self.body.rel_pos_h = nn.Parameter(torch.zeros(7, 4))
+            self.body.rel_pos_w = nn.Parameter(torch.zeros(7, 4))
+            self.body.frozen = nn.Parameter(torch.zeros(4, 4), requires_grad=False)
+            self.head = nn.Linear(4, 2)
+            self.head_scale_table = nn.Parameter(torch.zeros(2, 2))
+
+    groups = param_groups(M(), 0.05, no_decay_keywords=("scale_table",), backbone_prefix="body.", backbone_lr_mult=0.1)
+    got = {n: (g["weight_decay"], g["lr_mult"]) for g in groups for n in g["param_names"]}
+    assert got == {
+        "body.fc.weight": (0.05, 0.1), "body.fc.bias": (0.0, 0.1), "body.pos_embed": (0.0, 0.1),
+        "body.rel_pos_h": (0.0, 0.1), "body.rel_pos_w": (0.0, 0.1),
+        "head.weight": (0.05, 1.0), "head.bias": (0.0, 1.0), "head_scale_table": (0.0, 1.0),
+    }
+
+
+def test_layer_decay_composes_with_the_backbone_multiplier() -> None:
+    """``layer_decay`` with ``backbone_lr_mult``: backbone layer ``i`` of ``N`` gets
+    ``lr * backbone_lr_mult * layer_decay ** (N - i)``; the FPN and heads keep ``lr``."""
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, lr=1e-3, layer_decay=0.5,
+                         backbone_lr_mult=0.1, **SLIM)
+
+    class FakeTrainer:
+        estimated_stepping_batches = 100
+        num_training_batches = 10
+        accumulate_grad_batches = 1
+
+    task._trainer = FakeTrainer()  # type: ignore[assignment]
+    opt = task.configure_optimizers()["optimizer"]
+    names = {id(p): n for n, p in task.model.named_parameters()}
+    lr = {names[id(p)]: g["initial_lr"] for g in opt.param_groups for p in g["params"]}  # before the warmup factor
+    assert lr["backbone.body.patch_embed.proj.weight"] == pytest.approx(1e-3 * 0.1 * 0.5**5)  # 4 blocks: top = 5
+    assert lr["backbone.body.layers.3.blocks.0.attn.qkv.weight"] == pytest.approx(1e-3 * 0.1 * 0.5)
+    assert lr["backbone.body.out_norms.stage4.weight"] == pytest.approx(1e-3 * 0.1)
+    assert lr["backbone.fpn.inner_blocks.0.0.weight"] == pytest.approx(1e-3)
+    assert lr["roi_heads.box_predictor.cls_score.weight"] == pytest.approx(1e-3)
 
 
 @pytest.mark.parametrize(

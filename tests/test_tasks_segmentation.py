@@ -193,6 +193,60 @@ def test_optimizer_groups_and_layer_decay() -> None:
     assert sum(1 for n in lr_of if wd_of[n] == 0.0) < len(lr_of)
 
 
+def test_layer_ids_follow_beit_and_timm_block_numbering() -> None:
+    """Layer ids of a Swin with depths (1, 2, 1, 1), by hand in the BEiT / SimMIM convention (stem 0,
+    block ``k`` of the flattened sequence ``k``, what follows the last block ``N + 1`` like the head),
+    with patch merging at the start of a stage taking the next block's id. timm's
+    ``param_groups_layer_decay`` numbers the same layout the same way (its final norm shares the
+    last block's id where the output norms here sit one above, with the head), so its lr scales
+    equal ``decay ** (N - id)`` for every parameter inside the stem and the stages."""
+    from vtdense.backbones import create_backbone
+    from vtdense.tasks.optim import apply_layer_decay, param_groups
+
+    bb = create_backbone("swin_tiny", embed_dim=16, depths=(1, 2, 1, 1), num_heads=(1, 1, 2, 2), window_size=4)
+    ids, top = layer_ids(bb)
+    assert top == 6
+    by_module = {"patch_embed": 0, "layers.0.blocks.0": 1, "layers.1.downsample": 2, "layers.1.blocks.0": 2,
+                 "layers.1.blocks.1": 3, "layers.2.downsample": 4, "layers.2.blocks.0": 4, "layers.3.downsample": 5,
+                 "layers.3.blocks.0": 5, "out_norms": 6}
+    for name, _ in bb.named_parameters():
+        (module,) = [m for m in by_module if name.startswith(m + ".")]
+        assert ids[name] == by_module[module], name
+    # the lr multipliers apply_layer_decay hands out, against timm's for the same layout
+    timm_swin = pytest.importorskip("timm.models.swin_transformer")
+    from timm.optim import param_groups_layer_decay
+
+    ref = timm_swin.SwinTransformer(img_size=64, patch_size=4, embed_dim=16, depths=(1, 2, 1, 1), num_heads=(1, 1, 2, 2),
+                                    window_size=4, num_classes=0)
+    ref_names = {id(p): n for n, p in ref.named_parameters()}
+    ref_scale = {ref_names[id(p)]: g["lr_scale"] for g in param_groups_layer_decay(ref, 0.05, layer_decay=0.5)
+                 for p in g["params"]}
+    groups = apply_layer_decay(param_groups(bb, 0.05), bb, "", 0.5)
+    mult = {n: g["lr_mult"] for g in groups for n in g["param_names"]}
+    shared = [n for n in mult if n in ref_scale and not n.startswith("out_norms")]
+    assert len(shared) > 0.9 * len(mult), sorted(set(mult) - set(shared))
+    for n in shared:
+        assert mult[n] == pytest.approx(ref_scale[n] * 0.5), n  # timm's top is one lower (see above)
+
+
+def test_nested_blocks_count_once() -> None:
+    """A ``*Block`` module inside another is part of that block's layer, not a layer of its own."""
+
+    class InnerBlock(torch.nn.Linear):
+        pass
+
+    class OuterBlock(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = InnerBlock(2, 2), InnerBlock(2, 2)
+
+    net = torch.nn.Sequential(torch.nn.Linear(2, 2), OuterBlock(), OuterBlock(), torch.nn.LayerNorm(2))
+    ids, top = layer_ids(net)
+    assert top == 3
+    assert ids == {"0.weight": 0, "0.bias": 0, **{f"{i}.{m}.{p}": i for i in (1, 2) for m in "ab" for p in ("weight", "bias")},
+                   "3.weight": 3, "3.bias": 3}
+
+
 def test_bad_options_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="model.arch: unknown architecture 'segnet'.*upernet"):
         _task(arch="segnet")
