@@ -16,9 +16,11 @@ from torchvision import tv_tensors
 
 from vtdense.data import COCODataModule, COCODatasetError, COCODetection, collate_detection
 from vtdense.data.transforms import (
+    ResizeShortestEdge,
     detection_eval_transforms,
     detection_train_transforms,
     drop_degenerate_instances,
+    shortest_edge_size,
 )
 
 CATEGORY_IDS = [1, 3, 7]
@@ -209,6 +211,33 @@ def test_train_resize_samples_scales_and_caps_long_side() -> None:
     assert tuple(out.shape[1:]) == (50, 75)
 
 
+def _d2_output_shape(height: int, width: int, short: int, max_size: int) -> tuple[int, int]:
+    """detectron2's ``ResizeShortestEdge.get_output_shape``, transcribed (the reference recipe)."""
+    scale = short / min(height, width)
+    newh, neww = (short, scale * width) if height < width else (scale * height, short)
+    if max(newh, neww) > max_size:
+        scale = max_size / max(newh, neww)
+        newh, neww = newh * scale, neww * scale
+    return int(newh + 0.5), int(neww + 0.5)
+
+
+def test_shortest_edge_size_rounds_and_caps_like_detectron2() -> None:
+    """Output sizes equal detectron2's on a grid of shapes, including the cap's edge (a long side
+    of 100.5 is over a cap of 100) and sides landing on .5 (rounded half up, not to even)."""
+    assert shortest_edge_size(40, 60, 67, 100) == (67, 100)  # uncapped: 67 x 100.5
+    assert shortest_edge_size(40, 60, 66, 100) == (66, 99)
+    assert shortest_edge_size(20, 33, 10, None) == (10, 17)  # 16.5 -> 17
+    assert shortest_edge_size(37, 70, 64, None) == (64, 121)  # 121.08
+    for height in range(9, 130, 11):
+        for width in range(7, 130, 13):
+            for short in (16, 33, 50, 67):
+                assert shortest_edge_size(height, width, short, 100) == _d2_output_shape(height, width, short, 100)
+    # the canvas of boxes alone sets the size when the sample has no image
+    boxes = tv_tensors.BoundingBoxes(torch.tensor([[8.0, 4.0, 60.0, 40.0]]), format="XYXY", canvas_size=(40, 60))
+    out = ResizeShortestEdge([50], max_size=None)(boxes)
+    assert tuple(out.canvas_size) == (50, 75) and out.tolist() == [[10.0, 5.0, 75.0, 50.0]]
+
+
 def test_transform_arguments_are_validated() -> None:
     with pytest.raises(ValueError, match="scales"):
         detection_train_transforms([])
@@ -233,6 +262,15 @@ def test_drop_degenerate_instances_filters_every_instance_key() -> None:
     assert out["labels"].tolist() == [1] and out["area"].tolist() == [25.0]
     assert out["masks"].shape == (1, 10, 10) and out["orig_masks"].shape == (1, 20, 20)
     assert isinstance(out["boxes"], tv_tensors.BoundingBoxes) and out["image_id"] == 7
+
+
+def test_drop_degenerate_instances_with_min_size_zero_still_drops_empty_boxes() -> None:
+    """``min_size=0`` keeps any box of positive width and height; zero-width boxes (instances a
+    crop cut away) and inverted ones still go, as the docstring promises."""
+    boxes = torch.tensor([[0, 0, 0.2, 0.2], [3, 1, 3, 9], [1, 2, 4, 2], [5, 5, 4, 8]], dtype=torch.float32)
+    target = {"boxes": tv_tensors.BoundingBoxes(boxes, format="XYXY", canvas_size=(10, 10)), "labels": torch.arange(4)}
+    out, removed = drop_degenerate_instances(target, min_size=0.0)
+    assert removed == 3 and out["labels"].tolist() == [0]
 
 
 def test_boxes_degenerate_after_transform_are_dropped(coco_root: Path, load_ann: Callable[..., dict],

@@ -10,8 +10,12 @@ import torch
 from torchvision import tv_tensors
 
 from vtdense.data import COCODataModule
+from torchvision.transforms.v2 import functional as F
+
 from vtdense.data.transforms import (
     IMAGENET_MEAN_UINT8,
+    FixedSizeCropPad,
+    RandomScaleResize,
     detection_lsj_transforms,
     drop_degenerate_instances,
     masks_to_tight_boxes,
@@ -95,6 +99,61 @@ def test_lsj_small_scale_pads_with_the_mean_colour_and_large_scale_crops() -> No
                 assert tight[2] <= box[2] + 1 and tight[3] <= box[3] + 1
 
 
+def test_random_scale_resize_rounds_sides_and_spans_the_scale_range() -> None:
+    """The image is fitted to ``size * s``: sides rounded to the nearest pixel (37 x 70 at factor
+    64/70 is 33.8 x 64 -> 34 x 64), and ``s`` is drawn over the whole of ``scale_range``."""
+    for shape, expected in (((37, 70), (34, 64)), ((70, 37), (64, 34)), ((40, 80), (32, 64))):
+        out = RandomScaleResize(64, (1.0, 1.0))(tv_tensors.Image(torch.zeros(3, *shape, dtype=torch.uint8)))
+        assert tuple(out.shape[1:]) == expected
+    torch.manual_seed(0)
+    longs = [RandomScaleResize(64, (0.5, 2.0))(tv_tensors.Image(torch.zeros(1, 64, 64))).shape[-1] for _ in range(200)]
+    assert 32 <= min(longs) <= 36 and 124 <= max(longs) <= 128
+
+
+def test_fixed_size_crop_reaches_every_offset_and_matches_torchvision_crop() -> None:
+    """A 70 x 66 sample cropped to 64: every top in 0..6 and left in 0..2 occurs (the last offset
+    included), and image, boxes and masks equal torchvision's own crop at that offset."""
+    image = tv_tensors.Image(torch.arange(70 * 66, dtype=torch.float32).view(1, 70, 66))
+    boxes = tv_tensors.BoundingBoxes(
+        torch.tensor([[0.0, 0.0, 66.0, 70.0], [60.0, 2.0, 66.0, 5.0], [1.0, 65.0, 3.0, 70.0]]), format="XYXY",
+        canvas_size=(70, 66),
+    )
+    masks = tv_tensors.Mask(torch.randint(0, 2, (3, 70, 66), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    crop = FixedSizeCropPad(64)
+    offsets = set()
+    for seed in range(80):
+        torch.manual_seed(seed)
+        out, out_boxes, out_masks = crop(image, boxes, masks)
+        top, left = divmod(int(out[0, 0, 0]), 66)
+        offsets.add((top, left))
+        torch.testing.assert_close(out, F.crop(image, top, left, 64, 64), rtol=0, atol=0)
+        torch.testing.assert_close(out_boxes, F.crop(boxes, top, left, 64, 64), rtol=0, atol=0)
+        assert torch.equal(out_masks, masks[:, top : top + 64, left : left + 64])
+    assert {top for top, _ in offsets} == set(range(7)) and {left for _, left in offsets} == set(range(3))
+
+
+def test_lsj_flip_mirrors_image_boxes_and_masks_and_recompute_is_optional() -> None:
+    """At scale 1 with nothing cropped, ``flip_prob=1`` mirrors the image region, masks and boxes
+    (``x' = W - x``); ``recompute_boxes=False`` keeps the (resized, clamped) boxes as given."""
+    image = tv_tensors.Image(torch.randint(0, 256, (3, 40, 80), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
+    mask = torch.zeros(1, 40, 80, dtype=torch.uint8)
+    mask[0, 10:20, 20:50] = 1
+    target = {
+        "boxes": tv_tensors.BoundingBoxes(torch.tensor([[5.0, 2.0, 70.0, 38.0]]), format="XYXY", canvas_size=(40, 80)),
+        "masks": tv_tensors.Mask(mask),
+    }
+    out, t = detection_lsj_transforms(80, (1.0, 1.0), flip_prob=0.0)(image, target)
+    out_f, t_f = detection_lsj_transforms(80, (1.0, 1.0), flip_prob=1.0)(image, target)
+    torch.testing.assert_close(out[:, :40], image.float() / 255)
+    torch.testing.assert_close(out_f[:, :40], out[:, :40].flip(-1))
+    torch.testing.assert_close(out_f[:, 40:], out[:, 40:])  # the pad stays bottom/right
+    assert torch.equal(t_f["masks"][:, :40], t["masks"][:, :40].flip(-1))
+    assert t["boxes"].tolist() == [[20.0, 10.0, 50.0, 20.0]] and t_f["boxes"].tolist() == [[30.0, 10.0, 60.0, 20.0]]
+    _, kept = detection_lsj_transforms(80, (1.0, 1.0), flip_prob=0.0, recompute_boxes=False)(image, target)
+    _, kept_f = detection_lsj_transforms(80, (1.0, 1.0), flip_prob=1.0, recompute_boxes=False)(image, target)
+    assert kept["boxes"].tolist() == [[5.0, 2.0, 70.0, 38.0]] and kept_f["boxes"].tolist() == [[10.0, 2.0, 75.0, 38.0]]
+
+
 def test_masks_to_tight_boxes() -> None:
     masks = torch.zeros(3, 5, 6, dtype=torch.uint8)
     masks[0, 1:3, 2:5] = 1
@@ -107,6 +166,8 @@ def test_lsj_options_are_checked() -> None:
         detection_lsj_transforms(64, (0.0, 1.0))
     with pytest.raises(ValueError, match="lsj_size"):
         detection_lsj_transforms(0)
+    with pytest.raises(ValueError, match="flip_prob must be in"):
+        detection_lsj_transforms(64, flip_prob=1.5)
     with pytest.raises(ValueError, match=r"train_augment must be one of \['multiscale', 'lsj'\], got 'jitter'"):
         COCODataModule(train_augment="jitter")
     with pytest.raises(ValueError, match="lsj_scale_range"):

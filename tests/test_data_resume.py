@@ -170,6 +170,53 @@ def test_loading_in_the_main_process_leaves_the_global_rng_alone(coco_root: Path
         assert np.array_equal(np.random.get_state()[1], states[2])
 
 
+def test_sample_seeds_are_distinct_63_bit_and_documented() -> None:
+    """``sample_seed`` mixes ``(base seed, epoch, index)`` with numpy's SeedSequence, as documented:
+    no two (epoch, index) pairs share a seed (a sum or a dropped term would make e.g. sample 1 of
+    epoch 0 and sample 0 of epoch 1 augment alike), and seeds use the whole 63-bit range."""
+    import numpy as np
+
+    from vtdense.data.seeding import sample_seed
+
+    seeds = {(e, i): sample_seed(3, e, i) for e in range(8) for i in range(64)}
+    assert len(set(seeds.values())) == len(seeds)
+    assert sample_seed(3, 1, 2) != sample_seed(3, 2, 1) != sample_seed(2, 1, 3)
+    assert all(0 <= v < 2**63 for v in seeds.values())
+    assert max(seeds.values()) >= 2**62  # 512 draws from [0, 2**63): all below 2**62 has odds 2**-512
+    # the documented mixing, so a run resumed with a later vtdense augments its samples the same way
+    ref = np.random.SeedSequence([3, 5, 7]).generate_state(1, dtype=np.uint64)[0]
+    assert sample_seed(3, 5, 7) == int(ref) >> 1
+
+
+def test_seeded_dataset_seeds_torch_random_and_numpy_per_sample() -> None:
+    """A sample's draws from any of the three global generators depend only on its key, and a
+    negative base seed (SeedSequence rejects it) is refused up front."""
+    import random
+
+    import numpy as np
+
+    from vtdense.data.seeding import SampleKey, SeededDataset
+
+    class Draws(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> tuple[float, float, float]:
+            return float(torch.rand(())), random.random(), float(np.random.rand())
+
+    ds = SeededDataset(Draws(), seed=5)
+    a = ds[SampleKey(2, 1)]
+    np.random.seed(0)  # the caller's state must not matter
+    random.seed(0)
+    torch.manual_seed(0)
+    assert ds[SampleKey(2, 1)] == a and ds[(2, 1)] == a
+    for other in (ds[SampleKey(2, 0)], ds[SampleKey(1, 1)], SeededDataset(Draws(), seed=6)[SampleKey(2, 1)]):
+        assert all(x != y for x, y in zip(a, other))  # each generator is reseeded per sample
+    assert ds[2] == ds[SampleKey(2, 0)]
+    with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
+        SeededDataset(Draws(), seed=-1)
+
+
 def test_state_from_another_world_size_is_a_clear_error(coco_root: Path) -> None:
     loader = _loader(lambda: _coco(coco_root, 0, True), epoch=0)
     it = iter(loader)

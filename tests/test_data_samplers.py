@@ -18,7 +18,7 @@ from lightning.fabric.utilities.data import _replace_dunder_methods
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, SequentialSampler
 
 from vtdense.data import COCODataModule
-from vtdense.data.samplers import EpochRandomSampler, GroupedBatchSampler, aspect_ratio_group_ids
+from vtdense.data.samplers import EpochRandomSampler, GroupedBatchSampler, aspect_ratio_group_ids, make_train_loader
 from vtdense.data.seeding import SampleKey
 
 SMALL: dict[str, Any] = {"train_scales": [48, 64], "max_size": 96, "test_scale": 64}
@@ -88,6 +88,68 @@ def test_no_groups_is_plain_shuffled_batching_and_with_epoch_tags_indices() -> N
     assert list(seq) == [[0, 1], [2, 3], [4]]
 
 
+def test_plan_matches_a_hand_computed_example() -> None:
+    """The exact batch plan of a small case, worked out by hand from the module's three rules: full
+    batches in the order their group fills, then each group's leftover in group-id order, then
+    (2 ranks) the first batches repeated to a multiple of the world size and dealt round-robin."""
+    groups = [1, 0, 1, 1, 0, 0, 1, 2, 1]  # indices 0..8 in order (SequentialSampler)
+    bs = GroupedBatchSampler(SequentialSampler(range(9)), 2, group_ids=groups)
+    # group 1 fills [0, 2] then [3, 6]; group 0 fills [1, 4]; leftovers: group 0 [5], group 1 [8], group 2 [7]
+    plan = [[0, 2], [1, 4], [3, 6], [5], [8], [7]]
+    assert list(bs) == plan and len(bs) == 6
+    dropped = GroupedBatchSampler(SequentialSampler(range(9)), 2, drop_last=True, group_ids=groups)
+    assert list(dropped) == [[0, 2], [1, 4], [3, 6]] and len(dropped) == 3
+    # 4 ranks: 6 batches padded with the first 2 to 8; rank r takes r, r + 4
+    shards = []
+    for rank in range(4):
+        dist = DistributedSampler(range(9), num_replicas=4, rank=rank, shuffle=False)
+        shard = GroupedBatchSampler(dist, 2, group_ids=groups)
+        shards.append(list(shard))
+        assert len(shard) == 2
+    assert shards == [[[0, 2], [8]], [[1, 4], [7]], [[3, 6], [0, 2]], [[5], [1, 4]]]
+    # drop_last: 3 full batches truncated to the 2 that make a multiple of 2 ranks
+    halves = [list(GroupedBatchSampler(DistributedSampler(range(9), 2, r, shuffle=False), 2, True, groups)) for r in (0, 1)]
+    assert halves == [[[0, 2]], [[1, 4]]]
+
+
+def test_resume_at_the_end_of_an_epoch_and_past_it() -> None:
+    """A checkpoint saved after the last batch of an epoch (Lightning saves on the last step too)
+    restores to an exhausted iterator; a position past the end or negative is a clear error."""
+    bs = GroupedBatchSampler(EpochRandomSampler(range(7), seed=2), 2)
+    bs.set_epoch(3)
+    it = iter(bs)
+    full = list(it)
+    state = it.state_dict()
+    assert len(full) == 4 and state == {"epoch": 3, "world_size": 1, "yielded": 4}
+    bs.set_epoch(0)  # a fresh run: the epoch comes from the state
+    resumed = iter(bs)
+    resumed.load_state_dict(state)
+    assert list(resumed) == []
+    partial = iter(bs)
+    partial.load_state_dict({**state, "yielded": 1})
+    assert list(partial) == full[1:]
+    for bad in (5, -1):
+        with pytest.raises(ValueError, match=f"says {bad} batches were drawn of 4"):
+            iter(bs).load_state_dict({**state, "yielded": bad})
+
+
+def test_train_loader_seed_defaults_to_lightnings_global_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``seed=None`` takes ``$PL_GLOBAL_SEED`` (what ``seed_everything`` sets, and what Lightning's own
+    DistributedSampler is seeded with), so the batch order and the per-sample seeds follow the run's seed."""
+    data = list(range(10))
+
+    def batches(loader: Any) -> list[list[int]]:
+        return [list(b) for b in loader]
+
+    monkeypatch.setenv("PL_GLOBAL_SEED", "11")
+    loader = make_train_loader(data, 3, collate_fn=list)
+    assert loader.batch_sampler.sampler.seed == 11 and loader.dataset.seed == 11
+    assert batches(loader) == batches(make_train_loader(data, 3, collate_fn=list, seed=11))
+    assert batches(loader) != batches(make_train_loader(data, 3, collate_fn=list, seed=0))
+    monkeypatch.delenv("PL_GLOBAL_SEED")
+    assert make_train_loader(data, 3, collate_fn=list).batch_sampler.sampler.seed == 0
+
+
 def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="group_ids has 3 entries but the sampler's dataset has 4"):
         GroupedBatchSampler(EpochRandomSampler(range(4)), 2, group_ids=[0, 1, 0])
@@ -99,6 +161,25 @@ def test_bad_arguments_are_clear_errors() -> None:
     next(it)
     with pytest.raises(TypeError, match="not a function of the epoch"):
         it.load_state_dict(it.state_dict())
+
+    # a DistributedSampler subclass with its own indices cannot be sharded by batch: refused, not ignored
+    class OwnShard(DistributedSampler):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(self.rank, len(self.dataset), self.num_replicas))
+
+    with pytest.raises(TypeError, match="cannot shard by batch with OwnShard"):
+        list(GroupedBatchSampler(OwnShard(range(6), num_replicas=2, rank=0), 2))
+
+    # a sampler that yields fewer indices than its length would silently skip items
+    class Short(torch.utils.data.Sampler):
+        def __len__(self) -> int:
+            return 6
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(range(5))
+
+    with pytest.raises(ValueError, match="needs a sampler over all 6 items of the dataset, got 5 indices"):
+        list(GroupedBatchSampler(Short(), 2))
 
 
 # ------------------------------------------------------------------------------- 2 ranks

@@ -78,9 +78,11 @@ def test_backbone_onnx_matches_eager_with_dynamic_batch(family: str, tmp_path: P
 def test_torch_export_of_backbone_with_dynamic_batch(family: str) -> None:
     backbone = _backbone(family)
     x2, x3 = torch.randn(2, 3, H, W), torch.randn(3, 3, H, W)
+    # a batch-1 example is widened to 2 (torch.export would specialise a size-1 batch to 1)
+    example = x2[:1] if family == "swin" else x2
     with torch.no_grad():
         before = backbone(x3)
-        program = export_program(backbone, x2)
+        program = export_program(backbone, example)
         got = program.module()(x3)
         after = backbone(x3)  # eager again: the per-size caches must not hold traced (fake) tensors
     assert list(got) == list(before)
@@ -96,6 +98,7 @@ def test_bare_segmenter_onnx_without_normalisation(tmp_path: Path) -> None:
     path = vtdense.export(model, tmp_path / "seg.onnx", input_size=(64, 96), normalize=False)
     sess = _session(path)
     assert [o.name for o in sess.get_outputs()] == ["logits"]
+    assert sess.get_outputs()[0].shape[:2] == ["batch", 4]  # the batch is dynamic in the output too
     with torch.no_grad():
         for batch in (2, 3):
             x = torch.randn(batch, 3, 64, 96)
@@ -188,6 +191,7 @@ def test_detector_onnx_same_detections(head: str, tmp_path: Path) -> None:
     sess = _session(path)
     names = [o.name for o in sess.get_outputs()]
     assert names == ["boxes", "labels", "scores"]
+    assert [o.shape[0] for o in sess.get_outputs()] == ["detections"] * 3  # D is declared dynamic, not the traced count
     image = torch.rand(3, *size)
     with torch.no_grad():
         ref = model([image])[0]
@@ -238,6 +242,44 @@ def test_unsafe_or_missing_checkpoints_are_refused(tmp_path: Path) -> None:
         vtdense.export(tmp_path / "missing.ckpt", tmp_path / "x.onnx")
     with pytest.raises(ValueError, match="opset"):
         vtdense.export("swin_tiny", tmp_path / "x.onnx", opset=11)
+
+
+def test_export_options_are_checked_before_tracing(tmp_path: Path) -> None:
+    """Each bad option is a ValueError that names it (not an exporter failure deep in tracing)."""
+    with pytest.raises(ValueError, match="unknown what='neck'; choose one of backbone, fpn, segmenter, detector"):
+        vtdense.export("swin_tiny", tmp_path / "x.onnx", what="neck")
+    with pytest.raises(ValueError, match=r"input_size must be two positive sizes \(H, W\), got \(0, 64\)"):
+        vtdense.export("swin_tiny", tmp_path / "x.onnx", input_size=(0, 64))
+    model = build_segmentor("upernet", "swin_tiny", 4, backbone_kwargs=TINY_SWIN, decoder_channels=16)
+    with pytest.raises(ValueError, match="mean/std have 2/3 values but the images have 3 channels"):
+        vtdense.export(model, tmp_path / "x.onnx", input_size=(64, 64), mean=(0.5, 0.5))
+    with pytest.raises(ValueError, match="mean/std have 3/1 values"):
+        vtdense.export(model, tmp_path / "x.onnx", input_size=(64, 64), std=(0.2,))
+    listed = tmp_path / "list.ckpt"
+    torch.save([1, 2], listed)
+    with pytest.raises(ValueError, match="list.ckpt' holds a list, not a checkpoint dict"):
+        vtdense.export(listed, tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_backbone_of_a_detector_or_segmenter_exports_with_the_opset_asked(tmp_path: Path) -> None:
+    """``what="backbone"`` exports the backbone inside a detector (``backbone.body``) or an SMP
+    model (``encoder.backbone``): stage outputs equal to that module's, at the requested opset."""
+    import onnx
+
+    torch.manual_seed(0)
+    detector = build_detector("swin_tiny", "retinanet", 3, fpn_channels=16, slim_heads=True, backbone_kwargs=TINY_SWIN).eval()
+    segmenter = build_segmentor("upernet", "swin_tiny", 4, backbone_kwargs=TINY_SWIN, decoder_channels=16).eval()
+    x = torch.randn(2, 3, 64, 64)
+    for name, model, body in (
+        ("det", detector, detector.backbone.body), ("seg", segmenter, segmenter.encoder.backbone)
+    ):
+        path = vtdense.export(model, tmp_path / f"{name}.onnx", what="backbone", input_size=(64, 64), opset=14)
+        assert [op.version for op in onnx.load(str(path)).opset_import if op.domain in ("", "ai.onnx")] == [14]
+        sess = _session(path)
+        assert [o.name for o in sess.get_outputs()] == ["stage1", "stage2", "stage3", "stage4"]
+        with torch.no_grad():
+            _assert_close(list(body(x).values()), _run(sess, x))
 
 
 def test_cli_exports_a_named_backbone(tmp_path: Path) -> None:
