@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -211,14 +212,14 @@ def test_train_resize_samples_scales_and_caps_long_side() -> None:
     assert tuple(out.shape[1:]) == (50, 75)
 
 
-def _d2_output_shape(height: int, width: int, short: int, max_size: int) -> tuple[int, int]:
-    """detectron2's ``ResizeShortestEdge.get_output_shape``, transcribed (the reference recipe)."""
-    scale = short / min(height, width)
-    newh, neww = (short, scale * width) if height < width else (scale * height, short)
-    if max(newh, neww) > max_size:
-        scale = max_size / max(newh, neww)
-        newh, neww = newh * scale, neww * scale
-    return int(newh + 0.5), int(neww + 0.5)
+def _expected_size(height: int, width: int, short: int, max_size: int) -> tuple[int, int]:
+    """The rule of the reference recipe's shortest-edge resize (detectron2's), stated directly: one
+    factor brings the short side to ``short``, or the long side to ``max_size`` where the first
+    would take it past that; each side is then rounded half up."""
+    factor = short / min(height, width)
+    if max(height, width) * factor > max_size:
+        factor = max_size / max(height, width)
+    return math.floor(height * factor + 0.5), math.floor(width * factor + 0.5)
 
 
 def test_shortest_edge_size_rounds_and_caps_like_detectron2() -> None:
@@ -231,7 +232,7 @@ def test_shortest_edge_size_rounds_and_caps_like_detectron2() -> None:
     for height in range(9, 130, 11):
         for width in range(7, 130, 13):
             for short in (16, 33, 50, 67):
-                assert shortest_edge_size(height, width, short, 100) == _d2_output_shape(height, width, short, 100)
+                assert shortest_edge_size(height, width, short, 100) == _expected_size(height, width, short, 100)
     # the canvas of boxes alone sets the size when the sample has no image
     boxes = tv_tensors.BoundingBoxes(torch.tensor([[8.0, 4.0, 60.0, 40.0]]), format="XYXY", canvas_size=(40, 60))
     out = ResizeShortestEdge([50], max_size=None)(boxes)
