@@ -270,6 +270,35 @@ def test_fp16_training_under_ddp_and_fsdp(ade5: Path, tmp_path: Path) -> None:
     assert ddp["scale"] == fsdp["scale"] > 65536 / 8
 
 
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_nodes_of_one_process_train_like_one_node_of_two(strategy: str, ade5: Path, tmp_path: Path) -> None:
+    """``num_nodes=2`` as a cluster runs it: one process per node, started by the scheduler (here
+    by the test) with ``NODE_RANK`` and ``LOCAL_RANK`` set, meeting at ``MASTER_ADDR:MASTER_PORT``.
+    The global ranks are 0 and 1; FSDP's data-parallel mesh spans both nodes; 3 steps give the
+    weights one node with 2 processes gives."""
+    import socket
+
+    one_node = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", strategy)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "nodes.json"
+    procs = []
+    for node in (0, 1):
+        env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODE_RANK=str(node), LOCAL_RANK="0", WORLD_SIZE="2")
+        cmd = [sys.executable, str(SCRIPT), "--task", "segmentation", "--data", str(ade5), "--devices", "1", "--num_nodes", "2",
+               "--fit_steps", "3", "--strategy", strategy, "--root_dir", str(tmp_path / "nodes"), "--out", str(out)]
+        procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for node, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, f"node {node}:\n{err[-4000:]}"
+    two_nodes = json.loads(out.read_text())
+    assert two_nodes["world"] == one_node["world"] == 2
+    assert two_nodes["dp_size"] == one_node["dp_size"] == (2 if strategy == "fsdp" else None)
+    assert two_nodes["checksum"] == pytest.approx(one_node["checksum"], abs=1e-4)
+    assert _numbers(two_nodes["metrics"]) == pytest.approx(_numbers(one_node["metrics"]), abs=1e-5)
+
+
 def test_fsdp_overflow_step_is_skipped_on_every_rank(tmp_path: Path) -> None:
     """fp16 under FSDP: an inf loss on one rank only (it reaches every shard through the gradient
     reduce-scatter) makes both ranks skip the step, weights unchanged and finite, and halve the

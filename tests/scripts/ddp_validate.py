@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--task", choices=["detection", "segmentation"], required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--num_nodes", type=int, default=1, help="> 1: this process is one node (NODE_RANK, LOCAL_RANK=0 set)")
     p.add_argument("--precision", default="32-true")
     p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"], help="with --devices > 1")
     p.add_argument("--fit_steps", type=int, default=0, help="optimiser steps before validating (0: validate only)")
@@ -79,7 +80,8 @@ def main() -> None:
     # registered before vtdense's own handler, so it runs after it (atexit is last in, first out)
     atexit.register(_record_exit, a.out)
     model, dm = build(a.task, a.data, a.compile_backbone or False)
-    options = dict(accelerator="cpu", strategy=a.strategy if a.devices > 1 else "auto", precision=a.precision)
+    world = a.devices * a.num_nodes
+    options = dict(accelerator="cpu", strategy=a.strategy if world > 1 else "auto", precision=a.precision)
     if a.strategy == "fsdp":
         from vtdense.strategies import trainer_options
 
@@ -90,7 +92,7 @@ def main() -> None:
 
         options.update(precision=None, plugins=[MixedPrecision("16-mixed", "cpu")])
     trainer = L.Trainer(
-        devices=a.devices, **options,
+        devices=a.devices, num_nodes=a.num_nodes, **options,
         default_root_dir=a.root_dir, max_steps=max(a.fit_steps, 1), num_sanity_val_steps=0,
         enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
         limit_val_batches=0 if a.fit_steps else None,
@@ -116,7 +118,8 @@ def main() -> None:
         payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "world": trainer.world_size,
                    "compiled": is_compiled(model.model), "graphs": counters["stats"]["unique_graphs"],
                    "scaler": type(scaler).__name__ if scaler is not None else None,
-                   "scale": float(scaler.get_scale()) if scaler is not None else None}
+                   "scale": float(scaler.get_scale()) if scaler is not None else None,
+                   "dp_size": trainer.strategy.device_mesh["data_parallel"].size() if a.strategy == "fsdp" and world > 1 else None}
         Path(a.out).write_text(json.dumps(payload))
 
 
