@@ -151,7 +151,9 @@ def apply_layer_decay(groups: list[dict], backbone: nn.Module, prefix: str, deca
 
     Parameters named ``prefix + <backbone parameter>`` take their layer from :func:`layer_ids`;
     every other parameter (neck, heads) counts as the top layer. Layer ``i`` of top ``N`` gets
-    ``lr_mult * decay ** (N - i)``, as in the Swin V2 / MViTv2 / BEiT fine-tuning recipes.
+    ``lr_mult * decay ** (N - i)``, as in the Swin V2 / MViTv2 / BEiT fine-tuning recipes. (The
+    references differ on one point: Swin V2's official fine-tuning gives a patch merging the index
+    of the block before it; vtdense, like timm's grouping, the block after it.)
 
     Args:
         groups: groups with ``params``, ``param_names`` and ``lr_mult`` (see :func:`param_groups`).
