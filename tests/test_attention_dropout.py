@@ -13,6 +13,8 @@ import torch
 import vtdense
 from vtdense.layers.attention import attention
 
+from test_attention_paths import _reference as definition
+
 
 def _windows(seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
     """q, k, v of ``(B=2, nW=3, heads=2, N=16, d=8)`` and a per-window term ``(3, 2, 16, 16)``."""
@@ -23,8 +25,8 @@ def _windows(seed: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tenso
 
 
 def _reference(q, k, v, term, scale: float) -> torch.Tensor:
-    q, k, v, term = (t.double() for t in (q, k, v, term))
-    return ((q @ k.transpose(-1, -2)) * scale + term).softmax(-1) @ v
+    """The definition (``test_attention_paths``'s reference) in float64."""
+    return definition(*(t.double() for t in (q, k, v, term)), scale)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
