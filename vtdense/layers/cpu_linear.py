@@ -156,7 +156,13 @@ def onednn_applies(x: Tensor, weight: Tensor) -> bool:
 
 
 def _lp(x2: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    """oneDNN's ``x2 @ w.T + b`` for 2-D ``x2``; ``w``: ``(out, in)``, plain or packed."""
+    """oneDNN's ``x2 @ w.T + b`` for 2-D ``x2``; ``w``: ``(out, in)``, plain or packed.
+
+    A ``w`` with a zero stride (a broadcast gradient, such as ``out.sum()``'s ones, reaching a
+    weight-gradient product) is copied first: oneDNN takes such a weight, but through a path
+    hundreds of times slower (18 ms instead of 40 us for a ``(96, 64) x (64, 288)`` product)."""
+    if w.layout == torch.strided and 0 in w.stride() and w.numel() > 1:
+        w = w.contiguous()
     return torch.ops.mkldnn._linear_pointwise(x2, w, b, "none", [], "")
 
 

@@ -84,34 +84,73 @@ class _NormLinear(torch.autograd.Function):
                 bias: Tensor | None) -> Tensor:
         ctx.weight_dtype = weight.dtype
         weight = _compute_weight(weight)
-        out = _linear(F.layer_norm(x, x.shape[-1:], norm_w, norm_b, eps), weight, bias)
+        normed = F.layer_norm(x, x.shape[-1:], norm_w, norm_b, eps)
+        out = _linear(normed, weight, bias)
         ctx.save_for_backward(x, norm_w, norm_b, weight)
         ctx.eps, ctx.has_bias = eps, bias is not None
         dev = x.device.type  # the backward recomputes the norm under the forward's autocast state
-        ctx.amp = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)) if dev in ("cpu", "cuda") else None
+        amp_on = dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev)
+        ctx.amp = (dev, amp_on, torch.get_autocast_dtype(dev)) if dev in ("cpu", "cuda") else None
+        # The dtype the norm ran in, where autocast cast its inputs: CUDA autocast runs layer_norm
+        # in float32 (its fp32 list); CPU autocast leaves it alone. None: no input was cast.
+        ctx.norm_cast = normed.dtype if (amp_on and dev == "cuda") or normed.dtype != x.dtype else None
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, norm_w, norm_b, weight = ctx.saved_tensors
         dtype = grad.dtype
+        if not torch.is_grad_enabled():
+            return _norm_linear_backward(ctx, grad, x, norm_w, norm_b, weight)
         amp = torch.autocast(ctx.amp[0], dtype=ctx.amp[2], enabled=ctx.amp[1]) if ctx.amp else contextlib.nullcontext()
         # Under create_graph (a double backward: gradient penalties, Hessian products) the gradients
         # must themselves be differentiable: the norm is recomputed from the saved tensors and
-        # differentiated with create_graph, not from detached copies.
-        create_graph = torch.is_grad_enabled()
+        # differentiated with create_graph. (That nested autograd call costs about half a
+        # millisecond of host time per call on a GPU; the usual backward above has none.)
         with torch.enable_grad(), amp:
-            leaves = [t if t is None or create_graph else t.detach().requires_grad_(True) for t in (x, norm_w, norm_b)]
-            y = F.layer_norm(leaves[0], x.shape[-1:], leaves[1], leaves[2], ctx.eps)
+            y = F.layer_norm(x, x.shape[-1:], norm_w, norm_b, ctx.eps)
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_y = mm(g2, weight.to(dtype)).view(*grad.shape[:-1], weight.shape[1])
+        leaves = (x, norm_w, norm_b)
         wanted = [t for t, need in zip(leaves, ctx.needs_input_grad[:3]) if t is not None and need]
-        found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype), create_graph=create_graph)) if wanted else iter(())
+        found = iter(torch.autograd.grad(y, wanted, grad_y.to(y.dtype), create_graph=True)) if wanted else iter(())
         grads_in = [next(found) if t is not None and need else None for t, need in zip(leaves, ctx.needs_input_grad[:3])]
-        y_w = y if create_graph else y.detach()
-        grad_w = mm_tn(g2, y_w.to(dtype).reshape(-1, y.shape[-1])).to(ctx.weight_dtype) if ctx.needs_input_grad[4] else None
+        grad_w = mm_tn(g2, y.to(dtype).reshape(-1, y.shape[-1])).to(ctx.weight_dtype) if ctx.needs_input_grad[4] else None
         grad_b = g2.sum(0).to(ctx.weight_dtype) if ctx.has_bias and ctx.needs_input_grad[5] else None
         return grads_in[0], grads_in[1], grads_in[2], None, grad_w, grad_b
+
+
+def _norm_linear_backward(ctx: Any, grad: Tensor, x: Tensor, norm_w: Tensor | None, norm_b: Tensor | None,
+                          weight: Tensor) -> tuple[Tensor | None, ...]:
+    """:class:`_NormLinear`'s backward without a nested autograd call: the norm is recomputed by
+    ``native_layer_norm`` (which also returns the row statistics) and differentiated by
+    ``native_layer_norm_backward``, the kernels autograd runs for ``layer_norm``, on the inputs
+    cast as autocast cast them in the forward (``ctx.norm_cast``); each gradient is cast back to
+    its input's dtype, as autograd's cast nodes do."""
+    dtype = grad.dtype  # the dtype the forward's linear ran in
+    cast = ctx.norm_cast
+
+    def to_norm(t: Tensor | None) -> Tensor | None:
+        if t is None or cast is None or t.dtype == cast or not t.is_floating_point() or t.dtype == torch.float64:
+            return t
+        return t.to(cast)
+
+    xf, wf, bf = to_norm(x), to_norm(norm_w), to_norm(norm_b)
+    shape = [x.shape[-1]]
+    y, mean, rstd = torch.ops.aten.native_layer_norm(xf, shape, wf, bf, ctx.eps)
+    g2 = grad.reshape(-1, grad.shape[-1])
+    need = ctx.needs_input_grad
+    grad_x = grad_nw = grad_nb = None
+    if need[0] or need[1] or need[2]:
+        grad_y = mm(g2, weight.to(dtype)).view(*grad.shape[:-1], weight.shape[1]).to(y.dtype)
+        mask = [need[0], need[1] and wf is not None, need[2] and bf is not None]
+        grad_x, grad_nw, grad_nb = torch.ops.aten.native_layer_norm_backward(grad_y, xf, shape, mean, rstd, wf, bf, mask)
+        grad_x = grad_x.to(x.dtype) if grad_x is not None else None
+        grad_nw = grad_nw.to(norm_w.dtype) if grad_nw is not None else None
+        grad_nb = grad_nb.to(norm_b.dtype) if grad_nb is not None else None
+    grad_w = mm_tn(g2, y.to(dtype).reshape(-1, y.shape[-1])).to(ctx.weight_dtype) if need[4] else None
+    grad_b = g2.sum(0).to(ctx.weight_dtype) if ctx.has_bias and need[5] else None
+    return grad_x, grad_nw, grad_nb, None, grad_w, grad_b
 
 
 def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
