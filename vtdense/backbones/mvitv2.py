@@ -55,7 +55,7 @@ from torch import Tensor, nn
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
-from vtdense.layers.autocast import autocast_inputs
+from vtdense.layers.autocast import autocast_inputs, autocast_params
 from vtdense.layers import chunked
 from vtdense.layers.chunked import chunking_applies, row_slices, tracing
 from vtdense.layers.decomposed_attention import (
@@ -166,9 +166,10 @@ class MultiScaleAttention(nn.Module):
         lin = self.qkv
         if plain_linear(lin):
             c = self.dim_out
-            bias = lin.bias.split(c) if lin.bias is not None else (None, None, None)
+            weight, full_bias = autocast_params(lin.weight, lin.bias)  # inference under autocast: kept cast copies
+            bias = full_bias.split(c) if full_bias is not None else (None, None, None)
             (x,) = autocast_inputs(x)  # under autocast: cast once, not by each of the three products
-            return tuple(linear(x, w, b) for w, b in zip(lin.weight.split(c), bias))  # type: ignore[return-value]
+            return tuple(linear(x, w, b) for w, b in zip(weight.split(c), bias))  # type: ignore[return-value]
         return tuple(t.contiguous() for t in lin(x).chunk(3, dim=-1))  # type: ignore[return-value]
 
     def _pool(self, y: Tensor, pool: nn.Conv2d, norm: nn.LayerNorm) -> Tensor:
@@ -184,7 +185,8 @@ class MultiScaleAttention(nn.Module):
             H, W = y.shape[1:3]
             z = pool(y.view(B, H, W, h, d).permute(0, 3, 4, 1, 2).reshape(B * h, d, H, W))
             return norm(z.view(B, h, d, *z.shape[2:]).permute(0, 3, 4, 1, 2).contiguous())
-        filters = pool.weight if h == 1 else pool.weight.repeat(h, 1, 1, 1)
+        weight, _ = autocast_params(pool.weight, None)  # inference under autocast: a kept cast copy
+        filters = weight if h == 1 else weight.repeat(h, 1, 1, 1)
         y = F.conv2d(y.permute(0, 3, 1, 2), filters, None, pool.stride, pool.padding, groups=h * d)
         y = y.permute(0, 2, 3, 1)  # (B, H', W', h*d), a view when the conv kept channels-last
         return norm(y.reshape(B, *y.shape[1:3], h, d))

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from vtdense.backbones.base import Backbone, run_blocks
 from vtdense.backbones.registry import register_config
+from vtdense.layers.autocast import autocast_params
 from vtdense.layers.attention import TERM_ALIGN, aligned_term, attention, folds_windows, gpu_layout, pads_term_rows
 from vtdense.layers.chunked import chunking_applies, functorch_transform, window_slices
 from vtdense.layers.tracing import fresh_tables, tracing
@@ -209,7 +210,10 @@ class WindowAttention(nn.Module):
         if self.cosine and self.q_bias is not None:
             bias = torch.cat((self.q_bias, torch.zeros_like(self.q_bias), self.v_bias))
             xn = norm(x) if norm is not None else x
-            qkv = linear(xn, self.qkv.weight, bias) if plain_linear(self.qkv) else self.qkv(xn) + bias
+            if plain_linear(self.qkv):  # (inference under autocast: the weight's cast copy is kept across forwards)
+                qkv = linear(xn, autocast_params(self.qkv.weight, None)[0], bias)
+            else:
+                qkv = self.qkv(xn) + bias
         elif norm is not None:
             qkv = norm_linear(x, norm, self.qkv)
         else:

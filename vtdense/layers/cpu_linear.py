@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from vtdense.layers.autocast import autocast_params
 from vtdense.layers.plain import plain_linear
 from vtdense.layers.tracing import exporting, tracing
 
@@ -410,7 +411,11 @@ _register_flop_formulas()
 
 def apply_linear(module: nn.Module, x: Tensor) -> Tensor:
     """``module(x)``, through :func:`linear` when ``module`` is a plain, unhooked ``nn.Linear``
-    (:func:`~vtdense.layers.plain.plain_linear`); any other module is called as it is."""
+    (:func:`~vtdense.layers.plain.plain_linear`); any other module is called as it is. In
+    inference under autocast the layer's cast weight and bias are kept across forwards
+    (:func:`~vtdense.layers.autocast.autocast_params`). (Called at module level, never inside an
+    autograd function's forward, where grad mode is off even in training.)"""
     if plain_linear(module):
-        return linear(x, module.weight, module.bias)  # type: ignore[arg-type]
+        weight, bias = autocast_params(module.weight, module.bias)  # type: ignore[arg-type]
+        return linear(x, weight, bias)
     return module(x)
