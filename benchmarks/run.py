@@ -63,6 +63,21 @@ RECIPE_STEPS = {"cpu": 40, "cuda": 200}
 SWIN_PEERS = ["timm", "timm fused", "torchvision"]
 
 
+def extras_reserve(device: str, budget: float, run_extras: bool) -> float:
+    """Seconds of ``budget`` kept back from the cases for the four sections that follow them: their
+    estimates, but at most half the budget, so a short budget still times the cases (a 255 s GPU
+    budget once left every case out for 260 s of sections)."""
+    if not run_extras:
+        return 0.0
+    total = sum(EXTRAS_SECONDS[device].values())
+    return min(total, budget / 2) if budget else total
+
+
+def extra_fits(device: str, name: str, left: float | None) -> bool:
+    """Whether section ``name``'s estimate fits in the ``left`` seconds of the budget (None: no budget)."""
+    return left is None or left >= EXTRAS_SECONDS[device][name]
+
+
 def _case(name: str, family: str, mode: str, batch: int, size: tuple[int, int], contenders: list[str], *,
           tier: str = "default", device: str = "cpu", dtype: str = "fp32", **extra: Any) -> dict[str, Any]:
     return dict(name=name, family=family, mode=mode, batch=batch, size=list(size), contenders=contenders,
@@ -357,6 +372,8 @@ def markdown(report: dict[str, Any]) -> str:
         extra = report.get("extras", {}).get(name)
         if isinstance(extra, dict):
             lines += [""] + section.markdown(extra)
+        elif extra and extra.startswith("left out"):
+            lines += ["", f"{name} section {extra}."]
         elif extra:
             lines += ["", f"{name} section failed: {extra}"]
     lines += ["", f"Skipped (other tiers or --only): {report['skipped']}" if report["skipped"] else ""]
@@ -456,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         selected.append(case)
     # The four sections run after the cases; their time is kept back from the cases' budget.
     run_extras = args.tier != "quick" and not args.only and not args.no_extras
-    extras_s = sum(EXTRAS_SECONDS[args.device].values()) if run_extras else 0.0
+    extras_s = extras_reserve(args.device, args.budget, run_extras)
     args.deadline = t0 + args.budget - extras_s if args.budget else None
     results = []
     for case in selected:
@@ -482,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
                          ("attention", lambda: attention_kernels.run(args.device, "bf16" if args.device == "cuda" else "fp32")),
                          ("optimizer", lambda: optimizer_step.run(args.device))):
             print(f"\n== {name} section", flush=True)
+            left = t0 + args.budget - time.perf_counter() if args.budget else None
+            if not extra_fits(args.device, name, left):
+                extras[name] = f"left out: about {EXTRAS_SECONDS[args.device][name]:.0f} s needed, {max(left, 0):.0f} s of the budget left"
+                print(extras[name], flush=True)
+                continue
             try:
                 extras[name] = fn()
             except Exception as err:  # noqa: BLE001 - reported in the table, the other results are kept

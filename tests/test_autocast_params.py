@@ -169,3 +169,19 @@ def test_views_into_a_flat_buffer_are_not_kept() -> None:
         assert len(A._casts) == 0
         flat.data.copy_(torch.randn(36))  # as a collective writes: no version bump seen by the views
         assert torch.equal(apply_linear(lin, x), torch.nn.functional.linear(x, lin.weight, lin.bias))
+
+
+def test_the_copies_can_be_switched_off(monkeypatch) -> None:
+    model = _model("swin_tiny")
+    x = torch.randn(1, 3, 64, 64)
+    ref = _uncached(model, x, monkeypatch)
+    _forward(model, x)
+    assert len(A._casts) > 0
+    try:
+        A.set_autocast_params_kept(False)
+        assert len(A._casts) == 0
+        out = _forward(model, x)
+        assert len(A._casts) == 0
+    finally:
+        A.set_autocast_params_kept(True)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
