@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+import torch
 
 from vtdense.data.synthetic import make_synthetic_coco
+
+# The CPU linear layers' backend, fixed for this process and every subprocess the tests start. Left
+# at "auto", each process times both backends at its first call and keeps the faster: on a loaded
+# machine two processes can choose differently, and runs that must match to 1e-4 (one node against
+# two, a resumed run against an uninterrupted one) then differ by float rounding grown over a few
+# optimizer steps (seen once: a checksum of 1591.4933 against 1591.4955). The probe itself is tested
+# in subprocesses that set "auto" (tests/test_cpu_linear.py).
+os.environ.setdefault("VTDENSE_CPU_MATMUL", "onednn" if torch.backends.mkldnn.is_available() else "blas")
 
 #: Options of the session-wide tiny COCO dataset (3 classes: category ids 1, 3, 7).
 TINY_COCO_OPTIONS: dict[str, Any] = {

@@ -21,7 +21,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from vtdense.layers.tracing import fresh_tables
+from vtdense.layers.tracing import cuda_graph_capturing, tracing
 
 __all__ = ["autocast_inputs", "autocast_params", "clear_autocast_params", "set_autocast_params_kept"]
 
@@ -77,7 +77,7 @@ def autocast_params(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor
     """A layer's ``weight`` and ``bias`` as autocast would cast them for a lower-precision op (a
     linear layer), from a cache kept across forwards, where that is safe: inference (no gradient
     recorded), autocast on for their device, float32 ``nn.Parameter`` s with a version counter, and
-    neither a graph being traced nor a CUDA graph recording (:func:`~vtdense.layers.tracing.fresh_tables`).
+    neither a graph being traced nor a CUDA graph recording (as :func:`~vtdense.layers.tracing.fresh_tables`).
     Otherwise they are returned as they are, and autocast casts them as usual.
 
     An entry is keyed by the parameter and stamped with its version counter, storage and the
@@ -88,11 +88,13 @@ def autocast_params(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor
     dev = weight.device.type
     if dev not in ("cpu", "cuda") or not torch.is_autocast_enabled(dev):
         return weight, bias
+    if tracing():  # (first: a compiled graph must not read, or guard on, the cache)
+        return weight, bias
     if torch.is_grad_enabled():
         if _casts:  # training (again): the copies validation kept would only take memory now
             clear_autocast_params()
         return weight, bias
-    if not _keep or fresh_tables(weight.device):
+    if not _keep or cuda_graph_capturing(weight.device):
         return weight, bias
     dtype = torch.get_autocast_dtype(dev)
     return _cached(weight, dtype), None if bias is None else _cached(bias, dtype)
