@@ -48,3 +48,13 @@ def test_gpu_session_script_rejects_an_unknown_mode() -> None:
     assert "all [TOTAL_SECONDS]" in proc.stderr  # the one-call mode for a 15-minute device budget
     syntax = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True, timeout=30)
     assert syntax.returncode == 0, syntax.stderr
+
+
+def test_profile_script_prints_each_contenders_tables(capsys) -> None:
+    """``benchmarks/profile_gpu.py`` (the session's last step) on the CPU's demo detector row."""
+    import profile_gpu
+
+    assert profile_gpu.main(["--device", "cpu", "--only", "CPU demo", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "===== Mask R-CNN CPU demo train step" in out and ":: vtdense" in out
+    assert "wall " in out and "Self CPU" in out
