@@ -82,7 +82,7 @@ else
     fi
     left=$((total - SECONDS - 20))
     if [ $left -ge 45 ]; then
-        step profile timeout $left python3 benchmarks/profile_gpu.py --device cuda --contenders '^(vtdense|timm fused|torchvision)$' --host
+        step profile timeout $left python3 benchmarks/profile_gpu.py --device cuda --contenders '^(vtdense|timm fused|torchvision)$' --host --python
     else
         echo "== profile: left out, $left s of the $total s remain"
     fi

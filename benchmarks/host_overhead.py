@@ -8,7 +8,8 @@ and 14.6 ms of wall time. Fake CUDA tensors (``launches.fake_cuda``, under CUDA 
 take their GPU code paths on them, so what is measured is the Python of the model. Fake tensors'
 dispatch is far slower than CUDA's launches, so compare the contenders' *own-code* column (time spent
 in the model's own Python files, ``cProfile``'s tottime), not the totals; ``launches.py`` counts the
-ATen calls.
+ATen calls. cProfile itself adds about a microsecond per Python call, so small, often-called functions
+look costlier here than they are.
 """
 
 from __future__ import annotations

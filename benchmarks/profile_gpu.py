@@ -46,12 +46,39 @@ def profile_step(step, device: str, top: int, host_table: bool = False) -> str:
     return text
 
 
+def python_profile(step, device: str, top: int) -> str:
+    """``cProfile`` over 5 steps after 3 warm-up steps: where the host's Python time goes, by function
+    (the operators' own time shows up under their Python entry points). cProfile adds about a
+    microsecond per Python call, so compare contenders, not absolute times."""
+    import cProfile
+    import io
+    import pstats
+
+    for _ in range(3):
+        step()
+    sync(device)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(5):
+        step()
+    sync(device)
+    prof.disable()
+    wall = (time.perf_counter() - t0) / 5 * 1e3
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    calls = sum(v[1] for v in stats.stats.values()) / 5
+    stats.sort_stats("tottime").print_stats(top)
+    return f"cProfile: wall {wall:.1f} ms/step, {calls:.0f} Python calls/step\n" + out.getvalue()[-12000:]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     ap.add_argument("--only", default=DEFAULT)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--host", action="store_true", help="also the table by host time for every case (always for detectors)")
+    ap.add_argument("--python", action="store_true", help="also cProfile's table of Python functions by own time")
     ap.add_argument("--contenders", default="", help="regular expression over contender names (default: all but compiled)")
     args = ap.parse_args(argv)
     if args.device == "cuda":
@@ -70,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 step = make_step(contender, case, args.device)
                 print(profile_step(step, args.device, args.top, args.host or case['family'].startswith('maskrcnn')), flush=True)
+                if args.python:
+                    print(python_profile(step, args.device, args.top), flush=True)
             except Exception as err:  # noqa: BLE001 - one contender's failure does not end the report
                 print(f"failed: {type(err).__name__}: {err}", flush=True)
             del step

@@ -54,7 +54,8 @@ def test_profile_script_prints_each_contenders_tables(capsys) -> None:
     """``benchmarks/profile_gpu.py`` (the session's last step) on the CPU's demo detector row."""
     import profile_gpu
 
-    assert profile_gpu.main(["--device", "cpu", "--only", "CPU demo", "--top", "3"]) == 0
+    assert profile_gpu.main(["--device", "cpu", "--only", "CPU demo", "--top", "3", "--python"]) == 0
     out = capsys.readouterr().out
     assert "===== Mask R-CNN CPU demo train step" in out and ":: vtdense" in out
     assert "wall " in out and "Self CPU" in out
+    assert "cProfile: wall" in out and "tottime" in out
