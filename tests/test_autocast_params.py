@@ -185,3 +185,18 @@ def test_the_copies_can_be_switched_off(monkeypatch) -> None:
     finally:
         A.set_autocast_params_kept(True)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+def test_a_parameter_freed_inside_the_locked_section_does_not_deadlock() -> None:
+    """A weak reference's callback runs whenever the garbage collector frees a parameter, which an
+    allocation inside the cache's locked section can trigger: the lock must be reentrant."""
+    import threading
+
+    def locked_callback() -> None:
+        with A._lock:
+            A._forget(12345, None)  # what the callback does, while this thread holds the lock
+
+    t = threading.Thread(target=locked_callback, daemon=True)
+    t.start()
+    t.join(timeout=10)
+    assert not t.is_alive()

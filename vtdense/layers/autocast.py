@@ -46,7 +46,9 @@ _keep = True  # set_autocast_params_kept()
 
 # id(parameter) -> (weak reference to it, (version, data_ptr, dtype), its cast copy)
 _casts: dict[int, tuple[weakref.ref, tuple[int, int, torch.dtype], Tensor]] = {}
-_lock = threading.Lock()
+# Reentrant: a weak reference's callback (_forget) can run inside a locked section, when an
+# allocation there lets the garbage collector free a parameter.
+_lock = threading.RLock()
 
 
 def _forget(key: int, ref: weakref.ref) -> None:
@@ -115,7 +117,7 @@ def _cached(p: Tensor, dtype: torch.dtype) -> Tensor:
     if hit is not None and hit[0]() is p and hit[1] == stamp:
         return hit[2]
     value = p.detach().to(dtype)
-    ref = weakref.ref(p, lambda r, key=key: _forget(key, r))
+    entry = (weakref.ref(p, lambda r, key=key: _forget(key, r)), stamp, value)
     with _lock:
-        _casts[key] = (ref, stamp, value)
+        _casts[key] = entry
     return value
