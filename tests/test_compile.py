@@ -240,6 +240,37 @@ def test_while_a_cuda_graph_records_masks_and_indices_are_built_not_read_from_th
     assert sizes_after == sizes
 
 
+def test_on_a_cuda_side_stream_the_compile_ops_build_their_tables_uncached(monkeypatch) -> None:  # noqa: ANN001
+    """``torch.compile(mode="reduce-overhead")`` warms up on a stream of its own whose allocations
+    come from the CUDA graphs' private pool; a table cached there outlives the graph in the pool
+    (on an H200: "tensors in the cudagraph pool not tracked as outputs"). Off the device's default
+    stream the ops inside compiled graphs build their tables per call. (The streams are simulated:
+    the pool itself needs a GPU.)"""
+    from vtdense.layers import windows
+
+    default, side = object(), object()
+    current = [default]
+    monkeypatch.setattr(windows, "fresh_tables", lambda device: False)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: default)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    cuda = torch.device("cuda")
+    assert not windows._op_fresh(cuda)
+    current[0] = side
+    assert windows._op_fresh(cuda)
+    assert not windows._op_fresh(torch.device("cpu"))  # streams are a CUDA matter
+
+    monkeypatch.setattr(windows, "_op_fresh", lambda device: True)
+    cpu = torch.device("cpu")
+    H, W, window, shift = 15, 17, (4, 4), (2, 2)  # sizes no other test caches
+    sizes = (windows._window_mask_cached.cache_info().currsize, windows._token_index_cached.cache_info().currsize)
+    mask = windows._mask_table(H, W, *window, *shift, cpu)
+    gather, scatter = windows._index_tables(H, W, *window, *shift, cpu)
+    assert sizes == (windows._window_mask_cached.cache_info().currsize, windows._token_index_cached.cache_info().currsize)
+    assert torch.equal(mask, windows._window_mask_cached.__wrapped__(H, W, window, shift, cpu))
+    g2, s2 = windows._token_index_cached.__wrapped__(H, W, window, shift, cpu)
+    assert torch.equal(gather, g2) and torch.equal(scatter, s2)
+
+
 def test_while_a_cuda_graph_records_position_tables_and_biases_are_built_not_read_from_a_cache(monkeypatch) -> None:  # noqa: ANN001
     """The same for the other size-dependent tables that eager code (a ``torch.cuda.graph`` of an
     eager model) reads from caches: Swin's relative-position index, Swin V2's Log-CPB coordinates,

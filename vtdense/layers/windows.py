@@ -192,6 +192,19 @@ def _fetch(cached: Callable[..., Any], *args: Any) -> Any:
     return cached.__wrapped__(*args) if fresh_tables(args[-1]) else cached(*args)
 
 
+def _op_fresh(device: torch.device) -> bool:
+    """Whether the custom ops below build their table for this call instead of caching it: where
+    :func:`~vtdense.layers.tracing.fresh_tables` says so, and on a CUDA stream other than the
+    device's default one. ``torch.compile(mode="reduce-overhead")`` (CUDA graph trees) runs its
+    warm-up on a stream of its own whose allocations come from the graphs' private memory pool; a
+    table cached there would outlive the graph in that pool, which the trees refuse ("tensors in the
+    cudagraph pool not tracked as outputs", seen on an H200). Built per call, it is an ordinary
+    intermediate of the graph."""
+    if fresh_tables(device):
+        return True
+    return device.type == "cuda" and torch.cuda.current_stream(device) != torch.cuda.default_stream(device)
+
+
 # Under torch.compile the cached index and mask are fetched by two custom ops: opaque to Dynamo
 # (which would otherwise trace the caches and specialise on the sizes) and to Inductor (which,
 # fusing the index arithmetic into the gathers, fails on symbolic sizes), yet inside the graph, so
@@ -200,10 +213,16 @@ def _fetch(cached: Callable[..., Any], *args: Any) -> Any:
 # may reuse the memory of an op's output once it is dead, and the cache must not see that.
 @torch.library.custom_op("vtdense::window_attention_mask", mutates_args=())
 def _mask_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> Tensor:
-    mask = _fetch(_window_mask_cached, H, W, (wh, ww), (sh, sw), device)
+    return _mask_table(H, W, wh, ww, sh, sw, device)
+
+
+def _mask_table(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> Tensor:
+    """The body of ``vtdense::window_attention_mask``: a copy of the cached mask, or one built for this call."""
+    fresh = _op_fresh(device)
+    mask = (_window_mask_cached.__wrapped__ if fresh else _window_mask_cached)(H, W, (wh, ww), (sh, sw), device)
     if mask is None:
-        mask = _fetch(_no_mask, H, W, (wh, ww), device)
-    return mask if fresh_tables(device) else mask.clone()  # built for this call while recording
+        mask = (_no_mask.__wrapped__ if fresh else _no_mask)(H, W, (wh, ww), device)
+    return mask if fresh else mask.clone()  # a fresh one was built for this call
 
 
 @_mask_op.register_fake
@@ -216,8 +235,14 @@ def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
 @torch.library.custom_op("vtdense::window_token_index", mutates_args=(),
                          schema="(SymInt H, SymInt W, SymInt wh, SymInt ww, SymInt sh, SymInt sw, Device device) -> (Tensor, Tensor)")
 def _index_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    gather, scatter = _fetch(_token_index_cached, H, W, (wh, ww), (sh, sw), device)
-    return (gather, scatter) if fresh_tables(device) else (gather.clone(), scatter.clone())
+    return _index_tables(H, W, wh, ww, sh, sw, device)
+
+
+def _index_tables(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The body of ``vtdense::window_token_index``: copies of the cached indices, or ones built for this call."""
+    fresh = _op_fresh(device)
+    gather, scatter = (_token_index_cached.__wrapped__ if fresh else _token_index_cached)(H, W, (wh, ww), (sh, sw), device)
+    return (gather, scatter) if fresh else (gather.clone(), scatter.clone())
 
 
 @_index_op.register_fake
