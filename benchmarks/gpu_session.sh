@@ -15,6 +15,8 @@
 #                                  and Swin-T CUDA graphs replayed after the size caches were emptied
 #          attention_kernels.log   the kernel each attention call runs in bf16, from the profiler
 #   bench: results-cuda.json, RESULTS.md, bench.log   `benchmarks/run.py --device cuda --full` within BUDGET s
+#   all:   the files of both (8 in all, the most a device call returns), the last being
+#          profile.log                                   `benchmarks/profile_gpu.py --host --python`
 # Each step's failure is logged and the next step still runs; the exit status is the first failure's.
 set -uo pipefail
 
