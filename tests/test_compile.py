@@ -263,8 +263,8 @@ def test_on_a_cuda_side_stream_the_compile_ops_build_their_tables_uncached(monke
     cpu = torch.device("cpu")
     H, W, window, shift = 15, 17, (4, 4), (2, 2)  # sizes no other test caches
     sizes = (windows._window_mask_cached.cache_info().currsize, windows._token_index_cached.cache_info().currsize)
-    mask = windows._mask_table(H, W, *window, *shift, cpu)
-    gather, scatter = windows._index_tables(H, W, *window, *shift, cpu)
+    mask = windows._mask_op(H, W, *window, *shift, cpu)
+    gather, scatter = windows._index_op(H, W, *window, *shift, cpu)
     assert sizes == (windows._window_mask_cached.cache_info().currsize, windows._token_index_cached.cache_info().currsize)
     assert torch.equal(mask, windows._window_mask_cached.__wrapped__(H, W, window, shift, cpu))
     g2, s2 = windows._token_index_cached.__wrapped__(H, W, window, shift, cpu)

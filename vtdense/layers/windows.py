@@ -186,10 +186,12 @@ def _no_mask(H: int, W: int, window: tuple[int, int], device: torch.device) -> T
     return torch.zeros(n, window[0] * window[1], window[0] * window[1], dtype=torch.bool, device=device)
 
 
-def _fetch(cached: Callable[..., Any], *args: Any) -> Any:
-    """``cached(*args)``, or the uncached builder behind it while a CUDA graph records (see
-    :func:`~vtdense.layers.tracing.fresh_tables`)."""
-    return cached.__wrapped__(*args) if fresh_tables(args[-1]) else cached(*args)
+def _fetch(cached: Callable[..., Any], *args: Any, fresh: bool | None = None) -> Any:
+    """``cached(*args)``, or the uncached builder behind it when ``fresh`` (default: while a graph
+    is built or a CUDA graph records, :func:`~vtdense.layers.tracing.fresh_tables`)."""
+    if fresh is None:
+        fresh = fresh_tables(args[-1])
+    return cached.__wrapped__(*args) if fresh else cached(*args)
 
 
 def _op_fresh(device: torch.device) -> bool:
@@ -213,15 +215,10 @@ def _op_fresh(device: torch.device) -> bool:
 # may reuse the memory of an op's output once it is dead, and the cache must not see that.
 @torch.library.custom_op("vtdense::window_attention_mask", mutates_args=())
 def _mask_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> Tensor:
-    return _mask_table(H, W, wh, ww, sh, sw, device)
-
-
-def _mask_table(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> Tensor:
-    """The body of ``vtdense::window_attention_mask``: a copy of the cached mask, or one built for this call."""
     fresh = _op_fresh(device)
-    mask = (_window_mask_cached.__wrapped__ if fresh else _window_mask_cached)(H, W, (wh, ww), (sh, sw), device)
+    mask = _fetch(_window_mask_cached, H, W, (wh, ww), (sh, sw), device, fresh=fresh)
     if mask is None:
-        mask = (_no_mask.__wrapped__ if fresh else _no_mask)(H, W, (wh, ww), device)
+        mask = _fetch(_no_mask, H, W, (wh, ww), device, fresh=fresh)
     return mask if fresh else mask.clone()  # a fresh one was built for this call
 
 
@@ -235,13 +232,8 @@ def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
 @torch.library.custom_op("vtdense::window_token_index", mutates_args=(),
                          schema="(SymInt H, SymInt W, SymInt wh, SymInt ww, SymInt sh, SymInt sw, Device device) -> (Tensor, Tensor)")
 def _index_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    return _index_tables(H, W, wh, ww, sh, sw, device)
-
-
-def _index_tables(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """The body of ``vtdense::window_token_index``: copies of the cached indices, or ones built for this call."""
     fresh = _op_fresh(device)
-    gather, scatter = (_token_index_cached.__wrapped__ if fresh else _token_index_cached)(H, W, (wh, ww), (sh, sw), device)
+    gather, scatter = _fetch(_token_index_cached, H, W, (wh, ww), (sh, sw), device, fresh=fresh)
     return (gather, scatter) if fresh else (gather.clone(), scatter.clone())
 
 
