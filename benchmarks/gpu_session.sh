@@ -9,6 +9,9 @@
 #                                                   # for a session lent 15 minutes: kernel report, every
 #                                                   # bench case (no compiled contenders, no sections),
 #                                                   # the compile check, then profile_gpu.py's tables
+#   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 420 s): the rows where vtdense
+#                                                   # trailed (with `vtdense unfused`), the Swin-T training
+#                                                   # profiles, then the compiled training step
 #
 # Both install the wheels, then write to $OUT (or /tmp/vtdense-gpu) env.txt (nvidia-smi, versions) and:
 #   check: gpu_check.json / .log   attention paths vs math (fp32 1e-5, bf16), Swin-T dynamic compile (one graph)
@@ -17,6 +20,9 @@
 #   bench: results-cuda.json, RESULTS.md, bench.log   `benchmarks/run.py --device cuda --full` within BUDGET s
 #   all:   the files of both (8 in all, the most a device call returns), the last being
 #          profile.log                                   `benchmarks/profile_gpu.py --host --python`
+#   focus: bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager
+#          profile.log                                   Swin-T train step: vtdense, vtdense unfused, timm fused
+#          compiled.log, RESULTS-compiled.md, results-compiled.json   Swin-T train step, both compiled
 # Each step's failure is logged and the next step still runs; the exit status is the first failure's.
 set -uo pipefail
 
@@ -31,8 +37,8 @@ if [ "$mode" = prepare ]; then
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
         pycocotools segmentation-models-pytorch jsonargparse docstring-parser typeshed-client torchdata
 fi
-if [ "$mode" != check ] && [ "$mode" != bench ] && [ "$mode" != all ]; then
-    echo "usage: $0 prepare | check | bench [BUDGET_SECONDS] | all [TOTAL_SECONDS]" >&2
+if [ "$mode" != check ] && [ "$mode" != bench ] && [ "$mode" != all ] && [ "$mode" != focus ]; then
+    echo "usage: $0 prepare | check | bench [BUDGET_SECONDS] | all [TOTAL_SECONDS] | focus [TOTAL_SECONDS]" >&2
     exit 2
 fi
 
@@ -63,6 +69,21 @@ cat "$out/env.txt"
 if [ "$mode" = check ]; then
     step gpu_check timeout 420 python3 benchmarks/gpu_check.py --device cuda --compile-only swin_tiny --out "$out/gpu_check.json"
     step attention_kernels timeout 120 python3 benchmarks/attention_kernels.py --device cuda --dtype bf16
+elif [ "$mode" = focus ]; then
+    total=${2:-420}
+    rows='^Swin-T inference, batch 64|^Swin-T train step, batch 8 at 512x768, bf16$|^MViTv2-T inference, batch 64|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
+    step bench timeout 150 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 100
+    cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
+    step profile timeout 90 python3 benchmarks/profile_gpu.py --device cuda --only '^Swin-T train step, batch 8 at 512x768, bf16$' \
+        --contenders '^(vtdense|vtdense unfused|timm fused)$' --python
+    left=$((total - SECONDS - 15))
+    if [ $left -ge 90 ]; then
+        step compiled timeout $left python3 benchmarks/run.py --device cuda --full --no-extras --only 'compiled$' --budget $((left - 30))
+        cp benchmarks/RESULTS.md "$out/RESULTS-compiled.md" 2>/dev/null
+        cp benchmarks/results-cuda.json "$out/results-compiled.json" 2>/dev/null
+    else
+        echo "== compiled: left out, $left s of the $total s remain"
+    fi
 elif [ "$mode" = bench ]; then
     step bench timeout $((budget + 60)) python3 benchmarks/run.py --device cuda --full --budget "$budget"
     cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null

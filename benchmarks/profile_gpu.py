@@ -48,7 +48,8 @@ def profile_step(step, device: str, top: int, host_table: bool = False) -> str:
 
 def python_profile(step, device: str, top: int) -> str:
     """``cProfile`` over 5 steps after 3 warm-up steps: where the host's Python time goes, by function
-    (the operators' own time shows up under their Python entry points). cProfile adds about a
+    (the operators' own time shows up under their Python entry points), then vtdense's own functions
+    by cumulative time. cProfile adds about a
     microsecond per Python call, so compare contenders, not absolute times."""
     import cProfile
     import io
@@ -69,7 +70,10 @@ def python_profile(step, device: str, top: int) -> str:
     stats = pstats.Stats(prof, stream=out)
     calls = sum(v[1] for v in stats.stats.values()) / 5
     stats.sort_stats("tottime").print_stats(top)
-    return f"cProfile: wall {wall:.1f} ms/step, {calls:.0f} Python calls/step\n" + out.getvalue()[-12000:]
+    own = io.StringIO()  # where vtdense's own functions spend, callees included (forward vs backward, per layer)
+    pstats.Stats(prof, stream=own).sort_stats("cumulative").print_stats(r"vtdense", top)
+    return (f"cProfile: wall {wall:.1f} ms/step, {calls:.0f} Python calls/step\n" + out.getvalue()[-12000:]
+            + "\nby cumulative time, vtdense's functions:\n" + own.getvalue()[-8000:])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,3 +59,4 @@ def test_profile_script_prints_each_contenders_tables(capsys) -> None:
     assert "===== Mask R-CNN CPU demo train step" in out and ":: vtdense" in out
     assert "wall " in out and "Self CPU" in out
     assert "cProfile: wall" in out and "tottime" in out
+    assert "by cumulative time, vtdense's functions:" in out and "vtdense/" in out.split("by cumulative time")[-1]
