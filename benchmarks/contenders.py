@@ -13,8 +13,8 @@ Contender names:
   ``vtdense bias`` (MViTv2 with its relative positions added as a ``(Nq, Nk)`` bias in training
   too, ``rel_pos_fold=False``, against the default fold), ``vtdense blas`` (float32 CPU linear
   layers through PyTorch's BLAS, as timm's run, instead of the backend
-  :mod:`vtdense.layers.cpu_linear` chose), ``vtdense unfused`` (training without the two
-  memory-saving autograd functions of :mod:`vtdense.layers.mlp`: see :func:`unfused`);
+  :mod:`vtdense.layers.cpu_linear` chose), ``vtdense unfused`` (training with
+  ``vtdense.layers.mlp.set_activation_recompute(False)``: see :func:`unfused`);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
 - ``torchvision``: ``swin_t`` / ``swin_v2_t`` feature extractors, and for the detector rows
@@ -24,7 +24,7 @@ Contender names:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -191,40 +191,13 @@ def make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[],
     return _make_step(contender, case, device)
 
 
-class _PlainNormLinear:
-    """Stands in for ``vtdense.layers.mlp._NormLinear``: the plain ops, autograd keeping what it keeps."""
+def unfused() -> contextlib.AbstractContextManager:
+    """vtdense's training without its two memory-saving autograd functions (the pre-norm recomputed in
+    the backward of ``norm -> linear``, the GELU in that of ``GELU -> fc2``): what they cost in time
+    against the memory they save (:func:`vtdense.layers.mlp.set_activation_recompute`)."""
+    from vtdense.layers.mlp import activation_recompute
 
-    @staticmethod
-    def apply(x: torch.Tensor, norm_w: Any, norm_b: Any, eps: float, weight: torch.Tensor, bias: Any) -> torch.Tensor:
-        from vtdense.layers.cpu_linear import linear
-
-        return linear(torch.nn.functional.layer_norm(x, x.shape[-1:], norm_w, norm_b, eps), weight, bias)
-
-
-class _PlainGeluLinear:
-    """Stands in for ``vtdense.layers.mlp._GeluLinear``: the plain ops."""
-
-    @staticmethod
-    def apply(h: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
-        from vtdense.layers.cpu_linear import linear
-
-        return linear(torch.nn.functional.gelu(h), weight, bias)
-
-
-@contextlib.contextmanager
-def unfused() -> Iterator[None]:
-    """vtdense's training with its two memory-saving autograd functions (the pre-norm recomputed in
-    the backward of ``norm -> linear``, the GELU recomputed in that of ``gelu -> fc2``) replaced by
-    the plain operations, for the ``vtdense unfused`` contender: what those functions cost in time
-    (their Python backward, the recomputation) against the memory they save. Benchmark-only."""
-    from vtdense.layers import mlp
-
-    saved = mlp._NormLinear, mlp._GeluLinear
-    mlp._NormLinear, mlp._GeluLinear = _PlainNormLinear, _PlainGeluLinear  # type: ignore[assignment,misc]
-    try:
-        yield
-    finally:
-        mlp._NormLinear, mlp._GeluLinear = saved
+    return activation_recompute(False)
 
 
 def _make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[], object]:

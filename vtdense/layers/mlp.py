@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,36 @@ from vtdense.layers.cpu_linear import apply_linear, mm, mm_tn
 from vtdense.layers.cpu_linear import linear as _linear
 from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
 
-__all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear"]
+__all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear", "set_activation_recompute", "activation_recompute"]
+
+_recompute = True
+
+
+def set_activation_recompute(enabled: bool) -> None:
+    """Training, every vtdense backbone: whether ``norm -> linear`` and ``GELU -> linear`` keep only
+    their input for the backward pass and recompute the norm or the GELU there (``True``, the
+    default), or keep what plain autograd keeps (``False``).
+
+    Recomputing saves the activations of a normalised copy per pre-norm layer and a hidden-width
+    GELU output per MLP; it costs the recomputation and a backward pass in Python. On one H200 (bf16,
+    Swin-T, batch 8 at 512x768, ``benchmarks/RESULTS.md``): 2.8 GB and 37.4 ms per step with it,
+    4.1 GB and 31.0 ms without (timm with fused attention: 4.0 GB, 33.0 ms). Turn it off where GPU
+    memory is plentiful and the step is bound by the host. Results are the same either way (to
+    float rounding). Graphs (``torch.compile``, export) always take the plain form. The CPU's chunked
+    training paths (:func:`vtdense.layers.chunked.set_cpu_chunking`) recompute on their own."""
+    global _recompute
+    _recompute = bool(enabled)
+
+
+@contextlib.contextmanager
+def activation_recompute(enabled: bool) -> Iterator[None]:
+    """Context-manager form of :func:`set_activation_recompute`."""
+    old = _recompute
+    set_activation_recompute(enabled)
+    try:
+        yield
+    finally:
+        set_activation_recompute(old)
 
 
 def _compute_weight(weight: Tensor) -> Tensor:
@@ -64,11 +93,11 @@ class _GeluLinear(torch.autograd.Function):
 
 def gelu_linear(h: Tensor, linear: nn.Linear, inplace: bool = False) -> Tensor:
     """``linear(gelu(h))``; when training eagerly it stores only ``h`` for the backward pass
-    (:class:`_GeluLinear`). ``inplace``: the caller owns ``h``, which may then be overwritten by
+    (:class:`_GeluLinear`; :func:`set_activation_recompute`). ``inplace``: the caller owns ``h``, which may then be overwritten by
     its GELU where no gradient flows through it (inference: one hidden-width tensor less at the
     peak). ``h``: ``(..., in)`` -> ``(..., out)``."""
     grad = torch.is_grad_enabled() and (h.requires_grad or linear.weight.requires_grad)
-    if grad and not tracing() and plain_linear(linear):
+    if grad and _recompute and not tracing() and plain_linear(linear):
         return _GeluLinear.apply(h, linear.weight, linear.bias)
     if inplace and not tracing() and not (torch.is_grad_enabled() and h.requires_grad):
         return apply_linear(linear, torch.ops.aten.gelu_(h))
@@ -155,8 +184,8 @@ def _norm_linear_backward(ctx: Any, grad: Tensor, x: Tensor, norm_w: Tensor | No
 
 def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     """``linear(norm(x))``; when training eagerly it stores only ``x`` for the backward pass
-    (the norm is recomputed there). ``x``: ``(..., in)`` -> ``(..., out)``."""
-    if (torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
+    (the norm is recomputed there; :func:`set_activation_recompute`). ``x``: ``(..., in)`` -> ``(..., out)``."""
+    if (_recompute and torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
             and plain_linear(linear)):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     return apply_linear(linear, norm(x))

@@ -1,0 +1,84 @@
+"""``vtdense.layers.mlp.set_activation_recompute``: training with or without the two memory-saving
+autograd functions (norm -> linear, GELU -> linear). Off, the backbones keep what plain autograd
+keeps (more bytes saved for the backward pass) and compute the same gradients."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+import vtdense
+from vtdense.layers import mlp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return vtdense.create_backbone("swin_tiny", embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
+                                   window_size=4, out_norm=False, drop_path_rate=0.0).train()
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Gradients, the bytes of the distinct storages autograd saved, and the fused functions' calls."""
+    storages: dict[int, int] = {}
+    calls = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        storages[s.data_ptr()] = s.nbytes()
+        return t
+
+    real = mlp._NormLinear.apply, mlp._GeluLinear.apply
+    mlp._NormLinear.apply = lambda *a: (calls.append(1), real[0](*a))[1]
+    mlp._GeluLinear.apply = lambda *a: (calls.append(1), real[1](*a))[1]
+    try:
+        model.zero_grad(set_to_none=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(x)
+        sum(f.square().mean() for f in out.values()).backward()
+    finally:
+        del mlp._NormLinear.apply, mlp._GeluLinear.apply  # back to the inherited classmethod
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return grads, sum(storages.values()), len(calls)
+
+
+def test_off_keeps_more_activations_and_gives_the_same_gradients() -> None:
+    model, x = _model(), torch.randn(2, 3, 64, 96)
+    on, saved_on, calls_on = _step(model, x)
+    with mlp.activation_recompute(False):
+        assert mlp._recompute is False
+        off, saved_off, calls_off = _step(model, x)
+    assert mlp._recompute is True  # restored
+    assert calls_on > 0 and calls_off == 0
+    assert saved_off > saved_on * 1.1, (saved_on, saved_off)
+    assert on.keys() == off.keys() and len(on) > 10
+    for name in on:
+        torch.testing.assert_close(off[name], on[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_setter_is_global_until_set_back() -> None:
+    try:
+        mlp.set_activation_recompute(False)
+        _, _, calls = _step(_model(), torch.randn(1, 3, 64, 64))
+        assert calls == 0
+    finally:
+        mlp.set_activation_recompute(True)
+    _, _, calls = _step(_model(), torch.randn(1, 3, 64, 64))
+    assert calls > 0
+
+
+def test_benchmark_unfused_contender_runs_with_it_off_and_restores_it() -> None:
+    import contenders
+
+    step = contenders.make_step("vtdense unfused", dict(family="swin_t", mode="train", batch=1, size=(64, 96)), "cpu")
+    seen = []
+    real = mlp._NormLinear.apply
+    mlp._NormLinear.apply = lambda *a: (seen.append(1), real(*a))[1]
+    try:
+        step()
+    finally:
+        del mlp._NormLinear.apply
+    assert seen == [] and mlp._recompute is True
