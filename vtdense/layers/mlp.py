@@ -27,8 +27,8 @@ def set_activation_recompute(enabled: bool) -> None:
 
     Recomputing saves the activations of a normalised copy per pre-norm layer and a hidden-width
     GELU output per MLP; it costs the recomputation and a backward pass in Python. On one H200 (bf16,
-    Swin-T, batch 8 at 512x768, ``benchmarks/RESULTS.md``): 2.8 GB and 37.4 ms per step with it,
-    4.1 GB and 31.0 ms without (timm with fused attention: 4.0 GB, 33.0 ms). Turn it off where GPU
+    Swin-T, batch 8 at 512x768, ``benchmarks/RESULTS.md``): 2793 MiB and 37.4 ms per step with it,
+    4103 MiB and 31.0 ms without (timm with fused attention: 3988 MiB, 33.0 ms). Turn it off where GPU
     memory is plentiful and the step is bound by the host. Results are the same either way (to
     float rounding). Graphs (``torch.compile``, export) always take the plain form. The CPU's chunked
     training paths (:func:`vtdense.layers.chunked.set_cpu_chunking`) recompute on their own."""
@@ -93,9 +93,9 @@ class _GeluLinear(torch.autograd.Function):
 
 def gelu_linear(h: Tensor, linear: nn.Linear, inplace: bool = False) -> Tensor:
     """``linear(gelu(h))``; when training eagerly it stores only ``h`` for the backward pass
-    (:class:`_GeluLinear`; :func:`set_activation_recompute`). ``inplace``: the caller owns ``h``, which may then be overwritten by
-    its GELU where no gradient flows through it (inference: one hidden-width tensor less at the
-    peak). ``h``: ``(..., in)`` -> ``(..., out)``."""
+    (:class:`_GeluLinear`; :func:`set_activation_recompute`). ``inplace``: the caller owns ``h``,
+    which may then be overwritten by its GELU where no gradient flows through it (inference: one
+    hidden-width tensor less at the peak). ``h``: ``(..., in)`` -> ``(..., out)``."""
     grad = torch.is_grad_enabled() and (h.requires_grad or linear.weight.requires_grad)
     if grad and _recompute and not tracing() and plain_linear(linear):
         return _GeluLinear.apply(h, linear.weight, linear.bias)
@@ -184,7 +184,8 @@ def _norm_linear_backward(ctx: Any, grad: Tensor, x: Tensor, norm_w: Tensor | No
 
 def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     """``linear(norm(x))``; when training eagerly it stores only ``x`` for the backward pass
-    (the norm is recomputed there; :func:`set_activation_recompute`). ``x``: ``(..., in)`` -> ``(..., out)``."""
+    (the norm is recomputed there; :func:`set_activation_recompute`). ``x``: ``(..., in)`` ->
+    ``(..., out)``."""
     if (_recompute and torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
             and plain_linear(linear)):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
