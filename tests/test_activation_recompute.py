@@ -82,3 +82,41 @@ def test_benchmark_unfused_contender_runs_with_it_off_and_restores_it() -> None:
     finally:
         del mlp._NormLinear.apply
     assert seen == [] and mlp._recompute is True
+
+
+def test_tasks_apply_the_option_when_the_model_is_configured() -> None:
+    """``--model.activation_recompute false`` in the recipes: Lightning's ``configure_model`` hook
+    sets the process-wide switch, and the segmenter's training step then runs without the fused
+    functions (the detector takes the same base-class hook)."""
+    from vtdense.tasks.detection import DetectionTask
+    from vtdense.tasks.segmentation import SegmentationTask
+
+    tiny = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
+    try:
+        det = DetectionTask(backbone="swin_tiny", backbone_kwargs=tiny, num_classes=2, slim_heads=True,
+                            activation_recompute=False)
+        det.configure_model()
+        assert mlp._recompute is False
+        DetectionTask(backbone="swin_tiny", backbone_kwargs=tiny, num_classes=2, slim_heads=True).configure_model()
+        assert mlp._recompute is True  # the default puts it back
+        seg = SegmentationTask(arch="upernet", backbone="swin_tiny", backbone_kwargs=tiny, num_classes=3,
+                               activation_recompute=False)
+        seg.configure_model()
+        real = mlp._NormLinear.apply
+
+        def fused_calls() -> int:
+            seen = []
+            mlp._NormLinear.apply = lambda *a: (seen.append(1), real(*a))[1]
+            try:
+                seg.train()
+                logits = seg(torch.rand(2, 3, 64, 64))  # (UPerNet's pooling branch batch-normalises 1x1 maps: batch 2)
+                torch.nn.functional.cross_entropy(logits, torch.randint(0, 3, (2, 64, 64))).backward()
+            finally:
+                del mlp._NormLinear.apply
+            return len(seen)
+
+        assert fused_calls() == 0 and seg.hparams.activation_recompute is False
+        mlp.set_activation_recompute(True)
+        assert fused_calls() > 0  # the control: the same step with the switch on
+    finally:
+        mlp.set_activation_recompute(True)

@@ -39,6 +39,7 @@ from torch.utils.data import DistributedSampler
 
 from vtdense.data.errors import SKIP_REPORT_NAME, read_skip_report, write_skip_report
 from vtdense.distributed import destroy_process_group_at_exit
+from vtdense.layers.mlp import set_activation_recompute
 from vtdense.models.compile import check_compile_option, compile_backbone, is_compiled
 from vtdense.tasks.fault import (
     NONFINITE_POLICIES,
@@ -148,9 +149,12 @@ class BaseTask(LightningModule):
           the network, one FSDP unit per transformer block plus :meth:`fsdp_units`.
         - With the ``compile_backbone`` hyperparameter set, compile the backbone part in place for
           all input sizes (:func:`vtdense.models.compile.compile_backbone`).
+        - Apply the ``activation_recompute`` hyperparameter, process-wide
+          (:func:`vtdense.layers.mlp.set_activation_recompute`).
 
         Idempotent.
         """
+        set_activation_recompute(bool(self.hparams.get("activation_recompute", True)))
         if self.model is None:
             return
         shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None

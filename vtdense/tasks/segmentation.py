@@ -103,6 +103,10 @@ class SegmentationTask(BaseTask):
             (``dynamic=True``; parameter names and checkpoints unchanged) when the trainer starts:
             ``false`` (default), ``true`` (Inductor) or a backend name (``aot_eager``, ...). On a GPU it
             fuses the backbone's many small kernels; the first size compiles for minutes on a CPU.
+        activation_recompute: a vtdense backbone's pre-norms and MLP GELUs are recomputed in the
+            backward pass (``true``, less memory) or kept as plain autograd keeps them (``false``:
+            faster where the GPU step waits on the host). Process-wide
+            (:func:`vtdense.layers.mlp.set_activation_recompute`), set when the trainer builds the model.
     """
 
     monitor = "val/mIoU"
@@ -140,6 +144,7 @@ class SegmentationTask(BaseTask):
         checkpoint_every_n_steps: int | None = None,
         fused_optimizer: bool | None = None,
         compile_backbone: bool | str = False,
+        activation_recompute: bool = True,
     ) -> None:
         super().__init__()
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
