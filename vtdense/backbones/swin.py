@@ -44,9 +44,11 @@ from vtdense.layers.windows import (
     effective_window,
     mask_value,
     select_tokens,
+    tokens_to_windows,
     to_2tuple,
     window_attention_mask,
     window_token_index,
+    windows_to_tokens,
 )
 
 __all__ = ["WindowAttention", "SwinBlock", "PatchMerging", "SwinTransformer"]
@@ -343,29 +345,29 @@ class SwinBlock(nn.Module):
         # Swin V2's extra main-branch norm (used every few blocks in the largest models).
         self.norm3 = nn.LayerNorm(dim) if extra_norm else None
 
-    def _partition(self, x: Tensor) -> tuple[Tensor, tuple[int, int], Tensor | None, Tensor]:
-        """``(B, H, W, C)`` -> ``(windows (B, nW, N, C), window, mask, scatter)``: roll, padding and
-        partition in one gather; ``scatter`` undoes them (with crop) in another."""
+    def _partition(self, x: Tensor) -> tuple[Tensor, tuple[int, int], Tensor | None, tuple[Tensor, Tensor]]:
+        """``(B, H, W, C)`` -> ``(windows (B, nW, N, C), window, mask, (gather, scatter))``: roll,
+        padding and partition in one gather; ``scatter`` undoes them (with crop) in another."""
         B, H, W, C = x.shape
         window, shift = effective_window((H, W), self.window_size, self.shift_size)
         gather, scatter = window_token_index(H, W, window, shift, x.device)
         mask = window_attention_mask(H, W, window, shift, x.device)
-        windows = select_tokens(x.reshape(B, H * W, C), gather).view(B, -1, window[0] * window[1], C)
-        return windows, window, mask, scatter
+        windows = tokens_to_windows(x.reshape(B, H * W, C), gather, scatter).view(B, -1, window[0] * window[1], C)
+        return windows, window, mask, (gather, scatter)
 
     def _window_attention(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:
         """Windowed attention over ``(B, H, W, C)``; ``norm`` is applied per token after the
         window gather (the same thing, fused with the qkv projection)."""
         B, H, W, C = x.shape
-        windows, window, mask, scatter = self._partition(x)
+        windows, window, mask, index = self._partition(x)
         out = self.attn(windows, window, mask, norm=norm)
-        return select_tokens(out.reshape(B, -1, C), scatter).view(B, H, W, C)
+        return windows_to_tokens(out.reshape(B, -1, C), *index).view(B, H, W, C)
 
     def _forward_chunked(self, x: Tensor) -> Tensor:
         """Inference on the CPU over cache-sized chunks of windows, then of tokens (see
         :mod:`vtdense.layers.chunked`); the same values as :meth:`forward`'s unchunked path."""
         B, H, W, C = x.shape
-        windows, window, mask, scatter = self._partition(x)
+        windows, window, mask, (_, scatter) = self._partition(x)
         n = windows.shape[2]
         term = self.attn.attn_term(window, mask, x.dtype, x.device)
         pre = None if self.post_norm else self.norm1

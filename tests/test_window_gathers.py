@@ -1,0 +1,95 @@
+"""The gathers that partition a Swin map into (shifted, padded) windows and back: inside
+``torch.compile`` their backward passes are gathers with the other index table instead of
+autograd's scatter-add. The gradients must be autograd's, bit for bit, which for the partition
+rests on one fact of the blocks: the padded slots (copies of token 0) get no gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vtdense.backbones.swin import SwinBlock
+from vtdense.layers import windows
+from vtdense.layers.windows import window_token_index
+
+# (H, W, window, shift): padding on both axes, with and without the shift; no padding
+CASES = [(5, 7, (4, 4), (2, 2)), (5, 7, (4, 4), (0, 0)), (8, 8, (4, 4), (2, 2)), (9, 6, (7, 7), (3, 3))]
+
+
+def _real_slots(gather: torch.Tensor, scatter: torch.Tensor) -> torch.Tensor:
+    return scatter[gather] == torch.arange(gather.numel())
+
+
+@pytest.mark.parametrize("H,W,window,shift", CASES)
+def test_backward_gathers_equal_autograds_scatter_adds(H: int, W: int, window: tuple, shift: tuple) -> None:
+    gather, scatter = window_token_index(H, W, window, shift)
+    real = _real_slots(gather, scatter)
+    assert (not real.all()) == bool(H % window[0] or W % window[1])  # the cases do pad where they should
+    torch.manual_seed(0)
+    # windows -> tokens: any upstream gradient; padded slots get exactly zero
+    w = torch.randn(2, gather.numel(), 3, requires_grad=True)
+    g = torch.randn(2, H * W, 3)
+    ref = torch.autograd.grad(w.index_select(1, scatter), w, g)[0]
+    got = torch.autograd.grad(windows._WindowsToTokens.apply(w, gather, scatter), w, g)[0]
+    assert torch.equal(got, ref)
+    # tokens -> windows: an upstream gradient that is zero on the padded slots, as the blocks give
+    x = torch.randn(2, H * W, 3, requires_grad=True)
+    gw = torch.randn(2, gather.numel(), 3) * real[:, None]
+    ref = torch.autograd.grad(x.index_select(1, gather), x, gw)[0]
+    got = torch.autograd.grad(windows._TokensToWindows.apply(x, gather, scatter), x, gw)[0]
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("post_norm", [False, True], ids=["v1", "v2"])
+@pytest.mark.parametrize("H,W,window,shift", CASES[:2] + CASES[3:])
+def test_padded_slots_of_a_swin_block_get_no_gradient(post_norm: bool, H: int, W: int, window: tuple, shift: tuple) -> None:
+    """The fact the partition's backward relies on, for V1 (pre-norm fused with qkv) and V2 (cosine
+    attention, post-norm): a padded slot is masked as a key and dropped as a query."""
+    torch.manual_seed(0)
+    block = SwinBlock(8, 2, window, shifted=any(shift), post_norm=post_norm).train()
+    x = torch.randn(2, H, W, 8, requires_grad=True)
+    wins, win, mask, (gather, scatter) = block._partition(x)
+    wins.retain_grad()
+    out = block.attn(wins, win, mask, norm=None if post_norm else block.norm1)
+    y = windows.select_tokens(out.reshape(2, -1, 8), scatter)
+    (y * torch.randn_like(y)).sum().backward()
+    pad = ~_real_slots(gather, scatter).view(wins.shape[1], wins.shape[2])
+    assert pad.any()
+    assert torch.count_nonzero(wins.grad[:, pad]) == 0
+    assert torch.count_nonzero(wins.grad[:, ~pad]) > 0
+
+
+def test_outside_compile_the_plain_gathers_run() -> None:
+    gather, scatter = window_token_index(5, 7, (4, 4), (2, 2))
+    x = torch.randn(2, 35, 2, requires_grad=True)
+    y = windows.tokens_to_windows(x, gather, scatter)
+    z = windows.windows_to_tokens(y, gather, scatter)
+    assert "Windows" not in type(y.grad_fn).__name__ + type(z.grad_fn).__name__  # autograd's own nodes
+    assert torch.equal(z, x)  # partition then reverse is the identity on the tokens
+
+
+def test_compiled_swin_training_backward_has_no_token_scatter_adds() -> None:
+    """Under ``torch.compile`` the backward graph keeps one ``index_add`` per block (the position
+    table's gradient) and none for the window gathers (two per block before)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    import vtdense
+
+    ops: dict[str, list[str]] = {}
+
+    def backend(gm, inputs):  # noqa: ANN001, ANN202
+        def keep(name: str):  # noqa: ANN202
+            def compiler(g, _):  # noqa: ANN001, ANN202
+                ops[name] = [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
+                return g.forward
+            return compiler
+        return aot_module_simplified(gm, inputs, fw_compiler=keep("fw"), bw_compiler=keep("bw"))
+
+    torch.manual_seed(0)
+    model = vtdense.create_backbone("swin_tiny", embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4),
+                                    window_size=4, drop_path_rate=0.0).train()
+    x = torch.randn(2, 3, 80, 112)  # stage maps 20x28 .. 3x4: padded and unpadded windows
+    sum(f.square().mean() for f in torch.compile(model, backend=backend)(x).values()).backward()
+    blocks = 8
+    assert ops["bw"].count("aten.index_add.default") == blocks, ops["bw"].count("aten.index_add.default")
+    assert ops["fw"].count("aten.index_select.default") >= 3 * blocks
