@@ -11,7 +11,8 @@
 #                                                   # the compile check, then profile_gpu.py's tables
 #   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 420 s): the rows where vtdense
 #                                                   # trailed (with `vtdense unfused`), the Swin-T training
-#                                                   # profiles, then the compiled training step
+#                                                   # profiles, then the compiled training steps (Swin-T, and
+#                                                   # the detector with compile_backbone)
 #
 # Both install the wheels, then write to $OUT (or /tmp/vtdense-gpu) env.txt (nvidia-smi, versions) and:
 #   check: gpu_check.json / .log   attention paths vs math (fp32 1e-5, bf16), Swin-T dynamic compile (one graph)
@@ -22,7 +23,8 @@
 #          profile.log                                   `benchmarks/profile_gpu.py --host --python`
 #   focus: bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager
 #          profile.log                                   Swin-T train step: vtdense, vtdense unfused, timm fused
-#          compiled.log, RESULTS-compiled.md, results-compiled.json   Swin-T train step, both compiled
+#          compiled.log, RESULTS-compiled.md, results-compiled.json   Swin-T train step, both compiled;
+#                                                   Mask R-CNN bf16 with compile_backbone (as far as the time goes)
 # Each step's failure is logged and the next step still runs; the exit status is the first failure's.
 set -uo pipefail
 
@@ -78,7 +80,7 @@ elif [ "$mode" = focus ]; then
         --contenders '^(vtdense|vtdense unfused|timm fused)$' --python
     left=$((total - SECONDS - 15))
     if [ $left -ge 90 ]; then
-        step compiled timeout $left python3 benchmarks/run.py --device cuda --full --no-extras --only 'compiled$' --budget $((left - 30))
+        step compiled timeout $left python3 benchmarks/run.py --device cuda --full --no-extras --only 'compiled$|compile_backbone$' --budget $((left - 30))
         cp benchmarks/RESULTS.md "$out/RESULTS-compiled.md" 2>/dev/null
         cp benchmarks/results-cuda.json "$out/results-compiled.json" 2>/dev/null
     else
