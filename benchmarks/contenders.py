@@ -14,7 +14,8 @@ Contender names:
   too, ``rel_pos_fold=False``, against the default fold), ``vtdense blas`` (float32 CPU linear
   layers through PyTorch's BLAS, as timm's run, instead of the backend
   :mod:`vtdense.layers.cpu_linear` chose), ``vtdense unfused`` (training with
-  ``vtdense.layers.mlp.set_activation_recompute(False)``: see :func:`unfused`);
+  ``vtdense.layers.mlp.set_activation_recompute(False)``: see :func:`unfused`), ``vtdense triton-norm``
+  (CUDA bf16 inference with :func:`vtdense.layers.fused_norm.set_triton_norm` on);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
 - ``torchvision``: ``swin_t`` / ``swin_v2_t`` feature extractors, and for the detector rows
@@ -93,7 +94,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
 
     family = case["family"]
     base = contender
-    for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused"):
+    for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm"):
         base = base.replace(suffix, "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
@@ -180,6 +181,16 @@ def make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[],
                 return step()
 
         return blas_step
+    if contender.endswith(" triton-norm"):
+        from vtdense.layers.fused_norm import triton_norm
+
+        step = _make_step(contender, case, device)
+
+        def triton_norm_step() -> object:
+            with triton_norm(True):
+                return step()
+
+        return triton_norm_step
     if contender.endswith(" unfused"):
         step = _make_step(contender, case, device)
 

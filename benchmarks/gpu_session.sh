@@ -21,9 +21,10 @@
 #   bench: results-cuda.json, RESULTS.md, bench.log   `benchmarks/run.py --device cuda --full` within BUDGET s
 #   all:   the files of both (8 in all, the most a device call returns), the last being
 #          profile.log                                   `benchmarks/profile_gpu.py --host --python`
-#   focus: bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager
+#   focus: triton_norm.log                               benchmarks/triton_norm_check.py (the bf16 LayerNorm kernel)
+#          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (with `vtdense triton-norm`)
 #          profile.log                                   Swin-T train step: vtdense, vtdense unfused, timm fused
-#          compiled.log, RESULTS-compiled.md, results-compiled.json   Swin-T train step, both compiled;
+#          compiled.log, RESULTS-compiled.md             Swin-T train step, both compiled;
 #                                                   Mask R-CNN bf16 with compile_backbone (as far as the time goes)
 # Each step's failure is logged and the next step still runs; the exit status is the first failure's.
 set -uo pipefail
@@ -74,6 +75,7 @@ if [ "$mode" = check ]; then
 elif [ "$mode" = focus ]; then
     total=${2:-420}
     rows='^Swin-T inference, batch 64|^Swin-T train step, batch 8 at 512x768, bf16$|^MViTv2-T inference, batch 64|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
+    step triton_norm timeout 60 python3 benchmarks/triton_norm_check.py --device cuda
     step bench timeout 150 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 100
     cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
     step profile timeout 90 python3 benchmarks/profile_gpu.py --device cuda --only '^Swin-T train step, batch 8 at 512x768, bf16$' \
@@ -82,7 +84,6 @@ elif [ "$mode" = focus ]; then
     if [ $left -ge 90 ]; then
         step compiled timeout $left python3 benchmarks/run.py --device cuda --full --no-extras --only 'compiled$|compile_backbone$' --budget $((left - 30))
         cp benchmarks/RESULTS.md "$out/RESULTS-compiled.md" 2>/dev/null
-        cp benchmarks/results-cuda.json "$out/results-compiled.json" 2>/dev/null
     else
         echo "== compiled: left out, $left s of the $total s remain"
     fi

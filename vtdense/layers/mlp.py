@@ -13,6 +13,7 @@ from vtdense.layers.chunked import row_slices, tracing
 from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
 from vtdense.layers.cpu_linear import apply_linear, mm, mm_tn
 from vtdense.layers.cpu_linear import linear as _linear
+from vtdense.layers.fused_norm import layer_norm_bf16, triton_norm_applies
 from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
 
 __all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear", "set_activation_recompute", "activation_recompute"]
@@ -189,6 +190,8 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     if (_recompute and torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
             and plain_linear(linear)):
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
+    if triton_norm_applies(x, norm) and plain_linear(linear):  # CUDA bf16 inference, when switched on
+        return apply_linear(linear, layer_norm_bf16(x, norm.weight, norm.bias, norm.eps))
     return apply_linear(linear, norm(x))
 
 

@@ -1,0 +1,67 @@
+"""On a GPU: does ``vtdense::layer_norm_bf16`` (the Triton LayerNorm of CUDA bf16 inference) give
+``layer_norm(x.float()).to(bfloat16)``, and what does switching it on change in the backbones' outputs?
+
+    python benchmarks/triton_norm_check.py [--device cuda]
+
+Prints one JSON object: per shape the fraction of bit-identical values and the largest difference in
+bf16 steps; per backbone (bf16 autocast inference, batch 2) the largest difference of the outputs
+with the kernel against without, relative to the outputs' largest magnitude. Its speed is timed by
+``benchmarks/run.py`` (the ``vtdense triton-norm`` contender). ``tests/test_fused_norm.py`` runs the
+kernel in Triton's CPU interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import vtdense
+from vtdense.layers.fused_norm import layer_norm_bf16, triton_norm
+
+
+def kernel_vs_reference(device: str) -> list[dict]:
+    torch.manual_seed(0)
+    out = []
+    for rows, C, dtype in [(64 * 3136, 96, torch.float32), (64 * 784, 192, torch.float32), (8 * 6144, 384, torch.bfloat16),
+                           (4096, 768, torch.float32), (1000, 1536, torch.float32), (7, 100, torch.float32)]:
+        x = (torch.randn(rows, C, device=device) * 3 + 5).to(dtype)
+        w, b = torch.randn(C, device=device), torch.randn(C, device=device)
+        y = layer_norm_bf16(x, w, b, 1e-5)
+        ref = F.layer_norm(x.float(), (C,), w, b, 1e-5).to(torch.bfloat16)
+        rel = ((y.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)).max().item()
+        out.append(dict(rows=rows, channels=C, input=str(dtype).replace("torch.", ""),
+                        identical=round((y == ref).float().mean().item(), 6), max_rel=rel))
+    return out
+
+
+def backbones(device: str) -> dict[str, float]:
+    out = {}
+    for name in ("swin_tiny", "mvitv2_tiny"):
+        torch.manual_seed(0)
+        model = vtdense.create_backbone(name, out_norm=True).to(device).eval()
+        x = torch.randn(2, 3, 224, 224, device=device)
+        with torch.inference_mode(), torch.autocast(device, dtype=torch.bfloat16):
+            off = model(x)
+            with triton_norm(True):
+                on = model(x)
+        out[name] = max(((on[k].float() - off[k].float()).abs().max() / off[k].float().abs().max()).item() for k in off)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here")
+        return 0
+    print(json.dumps(dict(kernel=kernel_vs_reference(args.device), backbones_max_rel_diff=backbones(args.device))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

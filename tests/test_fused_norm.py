@@ -1,0 +1,105 @@
+"""``vtdense.layers.fused_norm``: the Triton LayerNorm that writes bf16 for CUDA inference.
+
+Its kernel runs here in Triton's CPU interpreter (a subprocess with ``TRITON_INTERPRET=1``) against
+``layer_norm(x.float()).to(bfloat16)``; the backbones' use of it runs on fake CUDA tensors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import vtdense
+from vtdense.layers import fused_norm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import launches  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+KERNEL_CHECK = textwrap.dedent("""
+    import json, torch, torch.nn.functional as F
+    from vtdense.layers.fused_norm import layer_norm_bf16, _launch
+    torch.manual_seed(0)
+    out = []
+    for C, rows, dtype, affine in [(96, 77, torch.float32, True), (100, 5, torch.float32, True),
+                                   (384, 33, torch.bfloat16, True), (1536, 9, torch.float32, False),
+                                   (32, 0, torch.float32, True)]:
+        x = (torch.randn(rows, C) * 3 + 5).to(dtype)
+        w = torch.randn(C) if affine else None
+        b = torch.randn(C) if affine else None
+        y = layer_norm_bf16(x, w, b, 1e-5)
+        ref = F.layer_norm(x.float(), (C,), w, b, 1e-5).to(torch.bfloat16)
+        ulps = ((y.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)).max().item() if rows else 0.0
+        same = (y == ref).float().mean().item() if rows else 1.0
+        out.append(dict(C=C, rows=rows, dtype=str(y.dtype), shape=list(y.shape), same=same, rel=ulps))
+    # a strided input (rows not contiguous) goes through a contiguous copy
+    x = torch.randn(8, 2, 96)[:, 0]
+    y = _launch(x, None, None, 1e-6)
+    ref = F.layer_norm(x, (96,), None, None, 1e-6).to(torch.bfloat16)
+    out.append(dict(C=96, rows=8, dtype=str(y.dtype), shape=list(y.shape), same=(y == ref).float().mean().item(), rel=0.0))
+    print(json.dumps(out))
+""")
+
+
+def test_kernel_in_tritons_interpreter_matches_layer_norm_then_cast() -> None:
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(results) == 6
+    for r in results:
+        assert r["dtype"] == "torch.bfloat16" and r["shape"] == [r["rows"], r["C"]], r
+        # rounded to nearest even like the cast: equal but for float32 results on a rounding boundary
+        assert r["same"] >= 0.999, r
+        assert r["rel"] <= 2 ** -7, r  # one bf16 step at most (2^-8 to 2^-7 of the value)
+
+
+def test_off_by_default_and_only_for_cuda_bf16_inference() -> None:
+    norm = torch.nn.LayerNorm(8)
+    x = torch.randn(2, 8)
+    assert fused_norm._enabled is False
+    with fused_norm.triton_norm(True):
+        assert not fused_norm.triton_norm_applies(x, norm)  # a CPU tensor
+    assert fused_norm._enabled is False
+
+
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11),
+                    reason="fake CUDA tensors need torch >= 2.11 on a machine without a GPU")
+def test_swin_inference_under_bf16_autocast_takes_it_when_switched_on() -> None:
+    """On fake CUDA tensors: each pre-norm + projection becomes one ``vtdense::layer_norm_bf16``
+    call with no cast after it; training, fp32 and the default (off) keep ``native_layer_norm``."""
+    def count(train: bool, dtype, on: bool) -> launches.Count:
+        torch.manual_seed(0)
+        model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=(1, 2, 1, 1), num_heads=(1, 2, 4, 8),
+                                        drop_path_rate=0.0)
+        with fused_norm.triton_norm(on):
+            return launches.count_forward(model, lambda: torch.randn(2, 3, 100, 132, device="cuda"), train=train,
+                                          dtype=dtype)
+
+    on, off = count(False, torch.bfloat16, True), count(False, torch.bfloat16, False)
+    fused = sum(v for k, v in on.ops.items() if "layer_norm_bf16" in k)
+    # per block norm1 -> qkv and norm2 -> fc1, and the three patch mergings; the out norms stay
+    assert fused == 2 * 5 + 3, on.ops
+    assert on.casts <= off.casts - fused, (on.casts, off.casts)
+    assert on.total < off.total
+    for train, dtype in [(True, torch.bfloat16), (False, None)]:
+        assert not any("layer_norm_bf16" in k for k in count(train, dtype, True).ops)
+
+
+def test_gpu_check_script_runs_here(capsys) -> None:
+    """``benchmarks/triton_norm_check.py`` (a step of ``gpu_session.sh focus``) on the CPU, where the
+    op is the two ops it replaces: every value identical, the backbones unchanged."""
+    import triton_norm_check
+
+    assert triton_norm_check.main(["--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["identical"] for r in report["kernel"]] == [1.0] * 6
+    assert report["backbones_max_rel_diff"] == {"swin_tiny": 0.0, "mvitv2_tiny": 0.0}
