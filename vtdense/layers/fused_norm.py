@@ -85,8 +85,8 @@ def _triton_kernel() -> Any:
             y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         # round to nearest even on the bits, so every backend (the CPU interpreter truncates) agrees
         bits = y.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        y = bits.to(tl.float32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        y = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
         tl.store(Y + rows[:, None] * C + cols[None, :], y.to(tl.bfloat16), mask=mask)
 
     _kernel = (_layer_norm_bf16, triton.next_power_of_2, triton.cdiv)
