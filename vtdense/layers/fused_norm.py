@@ -100,6 +100,8 @@ def _launch(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -
     x2 = x.reshape(-1, C)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
+    weight = None if weight is None else weight.contiguous()
+    bias = None if bias is None else bias.contiguous()
     y = torch.empty(x2.shape, dtype=torch.bfloat16, device=x.device)
     M = x2.shape[0]
     if M:
