@@ -330,6 +330,20 @@ def _vtdense(name: str, **kw: Any) -> torch.nn.Module:
     return vtdense.create_backbone(name, out_norm=False, drop_path_rate=0.0, **kw)
 
 
+class _TritonNorm(torch.nn.Module):
+    """``model`` run with :func:`vtdense.layers.fused_norm.set_triton_norm` on (the ``vtdense triton-norm`` rows)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from vtdense.layers.fused_norm import triton_norm
+
+        with triton_norm(True):
+            return self.model(x)
+
+
 def _detector_fpn() -> torch.nn.Module:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from contenders import PUBLISHED_DETECTOR
@@ -350,6 +364,7 @@ def _torchvision_fpn() -> torch.nn.Module:
 CASES: list[tuple[str, bool, int, tuple[int, int], dict[str, Callable[[], torch.nn.Module]]]] = [
     ("Swin-T inference, batch 64 at 224", False, 64, (224, 224), {
         "vtdense": lambda: _vtdense("swin_tiny"),
+        "vtdense triton-norm": lambda: _TritonNorm(_vtdense("swin_tiny")),
         "timm": lambda: _timm("swin_tiny_patch4_window7_224", (224, 224)),
         "timm fused": lambda: _timm("swin_tiny_patch4_window7_224", (224, 224), fused=True)}),
     ("SwinV2-T inference, batch 64 at 256", False, 64, (256, 256), {
@@ -357,6 +372,7 @@ CASES: list[tuple[str, bool, int, tuple[int, int], dict[str, Callable[[], torch.
         "timm": lambda: _timm("swinv2_tiny_window8_256", (256, 256))}),
     ("MViTv2-T inference, batch 64 at 224", False, 64, (224, 224), {
         "vtdense": lambda: _vtdense("mvitv2_tiny"),
+        "vtdense triton-norm": lambda: _TritonNorm(_vtdense("mvitv2_tiny")),
         "timm": lambda: _timm("mvitv2_tiny", (224, 224))}),
     ("Swin-T training forward, batch 8 at 512x768", True, 8, (512, 768), {
         "vtdense": lambda: _vtdense("swin_tiny"),
