@@ -171,35 +171,16 @@ def make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[],
     ``case`` keys: ``family``, ``mode`` (``"infer"`` or ``"train"``), ``batch``, ``size`` (h, w),
     optional ``dtype`` (``"fp32"``/``"bf16"``, autocast) and ``mvit_window``.
     """
-    if contender.endswith(" blas"):
-        from vtdense.layers.cpu_linear import use_cpu_matmul
+    setting = next((make for suffix, make in _SETTINGS.items() if contender.endswith(suffix)), None)
+    step = _make_step(contender, case, device)
+    if setting is None:
+        return step
 
-        step = _make_step(contender, case, device)
+    def step_with_setting() -> object:  # switched on for this contender's steps alone
+        with setting():
+            return step()
 
-        def blas_step() -> object:
-            with use_cpu_matmul("blas"):
-                return step()
-
-        return blas_step
-    if contender.endswith(" triton-norm"):
-        from vtdense.layers.fused_norm import triton_norm
-
-        step = _make_step(contender, case, device)
-
-        def triton_norm_step() -> object:
-            with triton_norm(True):
-                return step()
-
-        return triton_norm_step
-    if contender.endswith(" unfused"):
-        step = _make_step(contender, case, device)
-
-        def unfused_step() -> object:
-            with unfused():
-                return step()
-
-        return unfused_step
-    return _make_step(contender, case, device)
+    return step_with_setting
 
 
 def unfused() -> contextlib.AbstractContextManager:
@@ -209,6 +190,23 @@ def unfused() -> contextlib.AbstractContextManager:
     from vtdense.layers.mlp import activation_recompute
 
     return activation_recompute(False)
+
+
+def _blas() -> contextlib.AbstractContextManager:
+    from vtdense.layers.cpu_linear import use_cpu_matmul
+
+    return use_cpu_matmul("blas")
+
+
+def _triton_norm() -> contextlib.AbstractContextManager:
+    from vtdense.layers.fused_norm import triton_norm
+
+    return triton_norm(True)
+
+
+#: contender suffix -> the process-wide setting its steps run under
+_SETTINGS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    " blas": _blas, " triton-norm": _triton_norm, " unfused": unfused}
 
 
 def _make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[], object]:

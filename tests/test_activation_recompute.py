@@ -4,9 +4,12 @@ keeps (more bytes saved for the backward pass) and compute the same gradients.""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
+from typing import Iterator
 
+import pytest
 import torch
 
 import vtdense
@@ -21,26 +24,33 @@ def _model() -> torch.nn.Module:
                                    window_size=4, out_norm=False, drop_path_rate=0.0).train()
 
 
+@contextlib.contextmanager
+def _fused_calls() -> Iterator[list[int]]:
+    """A list that gets one entry per call of the two memory-saving autograd functions in the block."""
+    calls: list[int] = []
+    real = mlp._NormLinear.apply, mlp._GeluLinear.apply
+    mlp._NormLinear.apply = lambda *a: (calls.append(1), real[0](*a))[1]
+    mlp._GeluLinear.apply = lambda *a: (calls.append(1), real[1](*a))[1]
+    try:
+        yield calls
+    finally:
+        del mlp._NormLinear.apply, mlp._GeluLinear.apply  # back to the inherited classmethod
+
+
 def _step(model: torch.nn.Module, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], int, int]:
     """Gradients, the bytes of the distinct storages autograd saved, and the fused functions' calls."""
     storages: dict[int, int] = {}
-    calls = []
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         s = t.untyped_storage()
         storages[s.data_ptr()] = s.nbytes()
         return t
 
-    real = mlp._NormLinear.apply, mlp._GeluLinear.apply
-    mlp._NormLinear.apply = lambda *a: (calls.append(1), real[0](*a))[1]
-    mlp._GeluLinear.apply = lambda *a: (calls.append(1), real[1](*a))[1]
-    try:
+    with _fused_calls() as calls:
         model.zero_grad(set_to_none=True)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = model(x)
         sum(f.square().mean() for f in out.values()).backward()
-    finally:
-        del mlp._NormLinear.apply, mlp._GeluLinear.apply  # back to the inherited classmethod
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return grads, sum(storages.values()), len(calls)
 
@@ -74,13 +84,8 @@ def test_benchmark_unfused_contender_runs_with_it_off_and_restores_it() -> None:
     import contenders
 
     step = contenders.make_step("vtdense unfused", dict(family="swin_t", mode="train", batch=1, size=(64, 96)), "cpu")
-    seen = []
-    real = mlp._NormLinear.apply
-    mlp._NormLinear.apply = lambda *a: (seen.append(1), real(*a))[1]
-    try:
+    with _fused_calls() as seen:
         step()
-    finally:
-        del mlp._NormLinear.apply
     assert seen == [] and mlp._recompute is True
 
 
@@ -102,17 +107,11 @@ def test_tasks_apply_the_option_when_the_model_is_configured() -> None:
         seg = SegmentationTask(arch="upernet", backbone="swin_tiny", backbone_kwargs=tiny, num_classes=3,
                                activation_recompute=False)
         seg.configure_model()
-        real = mlp._NormLinear.apply
-
         def fused_calls() -> int:
-            seen = []
-            mlp._NormLinear.apply = lambda *a: (seen.append(1), real(*a))[1]
-            try:
+            with _fused_calls() as seen:
                 seg.train()
                 logits = seg(torch.rand(2, 3, 64, 64))  # (UPerNet's pooling branch batch-normalises 1x1 maps: batch 2)
                 torch.nn.functional.cross_entropy(logits, torch.randint(0, 3, (2, 64, 64))).backward()
-            finally:
-                del mlp._NormLinear.apply
             return len(seen)
 
         assert fused_calls() == 0 and seg.hparams.activation_recompute is False
@@ -120,3 +119,18 @@ def test_tasks_apply_the_option_when_the_model_is_configured() -> None:
         assert fused_calls() > 0  # the control: the same step with the switch on
     finally:
         mlp.set_activation_recompute(True)
+
+
+def test_context_managers_restore_the_setting_when_the_block_raises() -> None:
+    """The layers' switches share one context-manager form (``vtdense.layers.scoped``)."""
+    from vtdense.layers import attention, chunked
+
+    with pytest.raises(RuntimeError, match="inside"):
+        with mlp.activation_recompute(False), chunked.cpu_chunking(False), attention.attention_backend("math"):
+            assert (mlp._recompute, chunked._enabled, attention.get_attention_backend()) == (False, False, "math")
+            raise RuntimeError("inside")
+    assert (mlp._recompute, chunked._enabled, attention.get_attention_backend()) == (True, True, "sdpa")
+    with pytest.raises(ValueError, match="unknown attention backend 'bogus'"):
+        with attention.attention_backend("bogus"):
+            pass
+    assert attention.get_attention_backend() == "sdpa"

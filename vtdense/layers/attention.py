@@ -22,13 +22,14 @@ and the strided ``q, k, v`` in place (``baddbmm`` + softmax + ``bmm`` without au
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from vtdense.layers.chunked import functorch_transform, tracing, window_slices
+from vtdense.layers.scoped import scoped_setting
 from vtdense.layers.tracing import exporting
 
 __all__ = [
@@ -109,15 +110,9 @@ def get_attention_backend() -> str:
     return _backend
 
 
-@contextlib.contextmanager
-def attention_backend(name: str) -> Iterator[None]:
+def attention_backend(name: str) -> contextlib.AbstractContextManager[None]:
     """Context manager form of :func:`set_attention_backend`."""
-    old = _backend
-    set_attention_backend(name)
-    try:
-        yield
-    finally:
-        set_attention_backend(old)
+    return scoped_setting(get_attention_backend, set_attention_backend, name)
 
 
 def _math(q: Tensor, k: Tensor, v: Tensor, term: Tensor | None, scale: float, dropout: float) -> Tensor:

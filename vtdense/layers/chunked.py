@@ -24,13 +24,13 @@ CPU training steps chunk their large activations too, with autograd functions of
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 from torch import Tensor, nn
 
 from vtdense.layers.cpu_linear import mm, mm_tn
 from vtdense.layers.plain import hooks_below
+from vtdense.layers.scoped import scoped_setting
 from vtdense.layers.tracing import functorch_transform, tracing
 
 __all__ = ["CHUNK_BYTES", "set_cpu_chunking", "cpu_chunking", "chunking_applies", "training_chunking_applies",
@@ -61,15 +61,9 @@ def set_cpu_chunking(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
-@contextlib.contextmanager
-def cpu_chunking(enabled: bool) -> Iterator[None]:
+def cpu_chunking(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Context-manager form of :func:`set_cpu_chunking`."""
-    old = _enabled
-    set_cpu_chunking(enabled)
-    try:
-        yield
-    finally:
-        set_cpu_chunking(old)
+    return scoped_setting(lambda: _enabled, set_cpu_chunking, enabled)
 
 
 def chunking_applies(x: Tensor, module: nn.Module) -> bool:

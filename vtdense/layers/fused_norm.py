@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vtdense.layers.plain import plain_layer_norm
+from vtdense.layers.scoped import scoped_setting
 from vtdense.layers.tracing import tracing
 
 __all__ = ["set_triton_norm", "triton_norm", "triton_norm_applies", "layer_norm_bf16"]
@@ -43,15 +44,9 @@ def set_triton_norm(enabled: bool) -> None:
     _enabled = bool(enabled)
 
 
-@contextlib.contextmanager
-def triton_norm(enabled: bool) -> Iterator[None]:
+def triton_norm(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Context-manager form of :func:`set_triton_norm`."""
-    old = _enabled
-    set_triton_norm(enabled)
-    try:
-        yield
-    finally:
-        set_triton_norm(old)
+    return scoped_setting(lambda: _enabled, set_triton_norm, enabled)
 
 
 def _triton_kernel() -> Any:

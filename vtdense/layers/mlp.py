@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,7 @@ from vtdense.layers.cpu_linear import apply_linear, mm, mm_tn
 from vtdense.layers.cpu_linear import linear as _linear
 from vtdense.layers.fused_norm import layer_norm_bf16, triton_norm_applies
 from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
+from vtdense.layers.scoped import scoped_setting
 
 __all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear", "set_activation_recompute", "activation_recompute"]
 
@@ -37,15 +38,9 @@ def set_activation_recompute(enabled: bool) -> None:
     _recompute = bool(enabled)
 
 
-@contextlib.contextmanager
-def activation_recompute(enabled: bool) -> Iterator[None]:
+def activation_recompute(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """Context-manager form of :func:`set_activation_recompute`."""
-    old = _recompute
-    set_activation_recompute(enabled)
-    try:
-        yield
-    finally:
-        set_activation_recompute(old)
+    return scoped_setting(lambda: _recompute, set_activation_recompute, enabled)
 
 
 def _compute_weight(weight: Tensor) -> Tensor:
