@@ -15,7 +15,10 @@ Contender names:
   layers through PyTorch's BLAS, as timm's run, instead of the backend
   :mod:`vtdense.layers.cpu_linear` chose), ``vtdense unfused`` (training with
   ``vtdense.layers.mlp.set_activation_recompute(False)``: see :func:`unfused`), ``vtdense triton-norm``
-  (CUDA bf16 inference with :func:`vtdense.layers.fused_norm.set_triton_norm` on);
+  (CUDA bf16 inference with :func:`vtdense.layers.fused_norm.set_triton_norm` on for every pre-norm),
+  ``vtdense aten-norm`` (off: PyTorch's LayerNorm and cast everywhere; the default is ``"auto"``), ``vtdense
+  fn-recompute`` (training's recomputation through the autograd functions with a Python backward, the
+  CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
 - ``torchvision``: ``swin_t`` / ``swin_v2_t`` feature extractors, and for the detector rows
@@ -25,7 +28,7 @@ Contender names:
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -94,7 +97,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
 
     family = case["family"]
     base = contender
-    for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm"):
+    for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm", " aten-norm", " fn-recompute"):
         base = base.replace(suffix, "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
@@ -171,7 +174,7 @@ def make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[],
     ``case`` keys: ``family``, ``mode`` (``"infer"`` or ``"train"``), ``batch``, ``size`` (h, w),
     optional ``dtype`` (``"fp32"``/``"bf16"``, autocast) and ``mvit_window``.
     """
-    setting = next((make for suffix, make in _SETTINGS.items() if contender.endswith(suffix)), None)
+    setting = next((make for suffix, make in _SETTINGS.items() if suffix in contender), None)
     step = _make_step(contender, case, device)
     if setting is None:
         return step
@@ -204,9 +207,28 @@ def _triton_norm() -> contextlib.AbstractContextManager:
     return triton_norm(True)
 
 
+def _aten_norm() -> contextlib.AbstractContextManager:
+    from vtdense.layers.fused_norm import triton_norm
+
+    return triton_norm(False)
+
+
+@contextlib.contextmanager
+def _fn_recompute() -> Iterator[None]:
+    """The recomputation through the autograd functions with a Python backward (the CPU's form), on
+    any device: what the saved-tensor hooks form (the default off the CPU) is measured against."""
+    from vtdense.layers import mlp
+
+    mlp._set_recompute_form("function")
+    try:
+        yield
+    finally:
+        mlp._set_recompute_form("auto")
+
+
 #: contender suffix -> the process-wide setting its steps run under
 _SETTINGS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    " blas": _blas, " triton-norm": _triton_norm, " unfused": unfused}
+    " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " unfused": unfused, " fn-recompute": _fn_recompute}
 
 
 def _make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[], object]:

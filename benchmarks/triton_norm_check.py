@@ -52,6 +52,35 @@ def backbones(device: str) -> dict[str, float]:
     return out
 
 
+def timings(device: str, repeats: int = 200) -> list[dict]:
+    """Microseconds per call, CUDA events around ``repeats`` back-to-back calls: the Triton kernel
+    launched directly (``_launch``), through the custom op, and ATen's ``layer_norm`` + cast. At the
+    large shape the kernels set the pace, at the small one the host."""
+    from vtdense.layers.fused_norm import _launch
+
+    forms = {"triton direct": lambda x, w, b: _launch(x, w, b, 1e-5),
+             "triton op": lambda x, w, b: layer_norm_bf16(x, w, b, 1e-5),
+             "aten + cast": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5).to(torch.bfloat16)}
+    out = []
+    for rows, C in [(64 * 3136, 96), (64 * 196, 384), (4096, 96)]:
+        x = torch.randn(rows, C, device=device)
+        w, b = torch.randn(C, device=device), torch.randn(C, device=device)
+        row: dict = dict(rows=rows, channels=C)
+        for name, fn in forms.items():
+            for _ in range(10):
+                fn(x, w, b)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for _ in range(repeats):
+                fn(x, w, b)
+            end.record()
+            torch.cuda.synchronize()
+            row[name] = round(start.elapsed_time(end) * 1000 / repeats, 1)
+        out.append(row)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda")
@@ -60,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         print("--device cuda: no CUDA device here")
         return 0
     print(json.dumps(dict(kernel=kernel_vs_reference(args.device), backbones_max_rel_diff=backbones(args.device))))
+    if args.device == "cuda":
+        print(json.dumps(dict(us_per_call=timings(args.device))))
     return 0
 
 

@@ -62,13 +62,16 @@ def test_kernel_in_tritons_interpreter_matches_layer_norm_then_cast() -> None:
         assert r["rel"] <= 2 ** -7, r  # one bf16 step at most (2^-8 to 2^-7 of the value)
 
 
-def test_off_by_default_and_only_for_cuda_bf16_inference() -> None:
+def test_auto_by_default_and_only_for_cuda_bf16_inference() -> None:
     norm = torch.nn.LayerNorm(8)
     x = torch.randn(2, 8)
-    assert fused_norm._enabled is False
+    assert fused_norm._enabled == "auto"
     with fused_norm.triton_norm(True):
         assert not fused_norm.triton_norm_applies(x, norm)  # a CPU tensor
-    assert fused_norm._enabled is False
+    assert fused_norm._enabled == "auto"
+    with pytest.raises(ValueError, match="set_triton_norm takes True, False or 'auto'; got 'on'"):
+        fused_norm.set_triton_norm("on")
+    assert fused_norm._enabled == "auto"
 
 
 @pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11),
@@ -92,6 +95,18 @@ def test_swin_inference_under_bf16_autocast_takes_it_when_switched_on() -> None:
     assert on.total < off.total
     for train, dtype in [(True, torch.bfloat16), (False, None)]:
         assert not any("layer_norm_bf16" in k for k in count(train, dtype, True).ops)
+    # "auto" (the default): only inputs of at least AUTO_MIN_ELEMENTS values; this small model at
+    # this size has none, and with the bar lowered below its first stage's size it has some, not all
+    assert not any("layer_norm_bf16" in k for k in count(False, torch.bfloat16, "auto").ops)
+    old = fused_norm.AUTO_MIN_ELEMENTS
+    try:
+        fused_norm.AUTO_MIN_ELEMENTS = 2 * 25 * 33 * 32  # the first stage's tokens x channels
+        some = sum(v for k, v in count(False, torch.bfloat16, "auto").ops.items() if "layer_norm_bf16" in k)
+        fused_norm.AUTO_MIN_ELEMENTS = 0
+        every = sum(v for k, v in count(False, torch.bfloat16, "auto").ops.items() if "layer_norm_bf16" in k)
+    finally:
+        fused_norm.AUTO_MIN_ELEMENTS = old
+    assert 0 < some < every == fused, (some, every)
 
 
 def test_gpu_check_script_runs_here(capsys) -> None:

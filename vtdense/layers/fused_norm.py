@@ -9,11 +9,22 @@ to bf16, to nearest even, as the cast does: one pass that reads the input once a
 bytes. Its statistics are summed in another order than PyTorch's, so a value can differ by one
 bf16 step where the float32 result sits on a rounding boundary (about 1 in 10,000 values).
 
-Off by default until it is timed on a GPU: :func:`set_triton_norm` switches it on. It runs only in
-eager CUDA inference (no gradient recorded, no graph being built) under bf16 autocast, for a plain
-``nn.LayerNorm`` followed by a plain ``nn.Linear`` (:func:`vtdense.layers.mlp.norm_linear`), where
-Triton imports. As the op ``vtdense::layer_norm_bf16`` it has a fake implementation, so the GPU
-code paths' tests run it on fake CUDA tensors.
+Timed per call on an H200 (``benchmarks/triton_norm_check.py``, ``benchmarks/RESULTS.md``): at
+Swin-T's first stage at batch 64 (200,704 rows of 96 channels) PyTorch's LayerNorm and the cast
+take 334 us, the kernel here at most 31 us; at 12,544 rows of 384 channels both take about 30 us,
+and the kernel's launch from Python (about 30 us of host time, against about 19 us for the two
+PyTorch ops) sets its pace. A whole bf16 Swin-T forward at batch 64 is close to the host's pace:
+with the kernel on every pre-norm, launched directly, it ran faster in one process of four (8.0
+against 9.2 ms) and slower in the other three. So by default
+(``"auto"``) it runs only where an input has at least :data:`AUTO_MIN_ELEMENTS` values (the first
+two stages of a Swin at batch 64, or at detection sizes), where it saves hundreds of microseconds
+of kernel time for a few microseconds of host time; :func:`set_triton_norm` sets it on for every
+pre-norm, or off. It runs only in eager CUDA inference (no gradient recorded, no graph being
+built) under bf16 autocast, for a plain ``nn.LayerNorm`` followed by a plain ``nn.Linear``
+(:func:`vtdense.layers.mlp.norm_linear`), where Triton imports. As the op
+``vtdense::layer_norm_bf16`` it has a fake implementation, so the GPU code paths' tests run it on
+fake CUDA tensors; eager calls on real CUDA tensors launch the kernel directly
+(:func:`eager_layer_norm_bf16`), which took the host's share per call from 50 to 30 us.
 """
 
 from __future__ import annotations
@@ -30,21 +41,27 @@ from vtdense.layers.plain import plain_layer_norm
 from vtdense.layers.scoped import scoped_setting
 from vtdense.layers.tracing import tracing
 
-__all__ = ["set_triton_norm", "triton_norm", "triton_norm_applies", "layer_norm_bf16"]
+__all__ = ["set_triton_norm", "triton_norm", "triton_norm_applies", "layer_norm_bf16", "eager_layer_norm_bf16"]
 
-_enabled = False
+_enabled: bool | str = "auto"
 #: Widest row the kernel takes in one block.
 MAX_CHANNELS = 8192
+#: In ``"auto"`` mode, the fewest values (rows x channels) an input needs to take the kernel.
+AUTO_MIN_ELEMENTS = 1 << 23
 _kernel: Any = None
 
 
-def set_triton_norm(enabled: bool) -> None:
-    """Switch the fused LayerNorm + bf16 cast of CUDA inference on or off (off by default)."""
+def set_triton_norm(enabled: bool | str) -> None:
+    """Where CUDA bf16 inference runs a pre-norm and its cast as one Triton kernel: ``"auto"`` (the
+    default: inputs of at least :data:`AUTO_MIN_ELEMENTS` values), ``True`` (every pre-norm that
+    feeds a projection) or ``False`` (none)."""
     global _enabled
-    _enabled = bool(enabled)
+    if enabled not in (True, False, "auto"):
+        raise ValueError(f"set_triton_norm takes True, False or 'auto'; got {enabled!r}")
+    _enabled = "auto" if enabled == "auto" else bool(enabled)
 
 
-def triton_norm(enabled: bool) -> contextlib.AbstractContextManager[None]:
+def triton_norm(enabled: bool | str) -> contextlib.AbstractContextManager[None]:
     """Context-manager form of :func:`set_triton_norm`."""
     return scoped_setting(lambda: _enabled, set_triton_norm, enabled)
 
@@ -120,6 +137,17 @@ def layer_norm_bf16(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     return F.layer_norm(x.float(), x.shape[-1:], w, b, eps).to(torch.bfloat16)
 
 
+def eager_layer_norm_bf16(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """:func:`layer_norm_bf16` for eager callers: on a plain CUDA tensor the kernel is launched
+    directly, without the custom op's dispatch (host time, which a GPU inference step at batch 64
+    cannot spare: through the op the kernel made Swin-T slower on the H200, see
+    ``benchmarks/RESULTS.md``); on anything else (fake tensors, subclasses) through the op.
+    Shapes as :func:`layer_norm_bf16`."""
+    if type(x) is Tensor and x.device.type == "cuda" and _triton_kernel() is not None:
+        return _launch(x, weight, bias, eps)
+    return layer_norm_bf16(x, weight, bias, eps)
+
+
 @layer_norm_bf16.register_fake
 def _(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
     return torch.empty_like(x, dtype=torch.bfloat16, memory_format=torch.contiguous_format)
@@ -127,10 +155,13 @@ def _(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tens
 
 def triton_norm_applies(x: Tensor, norm: nn.Module) -> bool:
     """Whether :func:`layer_norm_bf16` may stand in for ``norm(x)`` before a plain linear layer:
-    switched on, CUDA inference under bf16 autocast (no gradient to record, no graph being built),
-    ``norm`` a plain ``nn.LayerNorm`` over at most :data:`MAX_CHANNELS` channels, ``x`` float32 or
-    bf16, and Triton available."""
+    switched on (in ``"auto"`` mode: ``x`` has at least :data:`AUTO_MIN_ELEMENTS` values), CUDA
+    inference under bf16 autocast (no gradient to record, no graph being built), ``norm`` a plain
+    ``nn.LayerNorm`` over at most :data:`MAX_CHANNELS` channels, ``x`` float32 or bf16, and Triton
+    available."""
     if not _enabled or x.device.type != "cuda" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if _enabled == "auto" and x.numel() < AUTO_MIN_ELEMENTS:
         return False
     if not torch.is_autocast_enabled("cuda") or torch.get_autocast_dtype("cuda") != torch.bfloat16:
         return False

@@ -13,13 +13,35 @@ from vtdense.layers.chunked import row_slices, tracing
 from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
 from vtdense.layers.cpu_linear import apply_linear, mm, mm_tn
 from vtdense.layers.cpu_linear import linear as _linear
-from vtdense.layers.fused_norm import layer_norm_bf16, triton_norm_applies
+from vtdense.layers.fused_norm import eager_layer_norm_bf16, triton_norm_applies
 from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
+from vtdense.layers.recompute import hooks_free, recomputed_input_linear
 from vtdense.layers.scoped import scoped_setting
 
 __all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear", "set_activation_recompute", "activation_recompute"]
 
 _recompute = True
+#: How the recomputation is made: ``"auto"`` (saved-tensor hooks off the CPU, the autograd
+#: functions on it, whose backward uses the CPU's oneDNN matmuls), ``"hooks"`` or ``"function"``.
+_form = "auto"
+
+
+def _set_recompute_form(form: str) -> None:
+    """Tests and benchmarks: force one form of the recomputation (see :data:`_form`)."""
+    global _form
+    if form not in ("auto", "hooks", "function"):
+        raise ValueError(f"unknown recompute form {form!r}")
+    _form = form
+
+
+def _via_hooks(x: Tensor) -> bool:
+    """Whether the recomputation runs through :func:`~vtdense.layers.recompute.recomputed_input_linear`
+    (autograd's C++ backward, a Python recipe per layer) rather than :class:`_NormLinear` /
+    :class:`_GeluLinear` (a Python backward): off the CPU by default, never under others'
+    saved-tensor hooks (checkpointing keeps the autograd functions)."""
+    if _form == "function" or (_form == "auto" and x.device.type == "cpu"):
+        return False
+    return hooks_free()
 
 
 def set_activation_recompute(enabled: bool) -> None:
@@ -28,11 +50,15 @@ def set_activation_recompute(enabled: bool) -> None:
     default), or keep what plain autograd keeps (``False``).
 
     Recomputing saves the activations of a normalised copy per pre-norm layer and a hidden-width
-    GELU output per MLP; it costs the recomputation and a backward pass in Python. On one H200 (bf16,
-    Swin-T, batch 8 at 512x768, ``benchmarks/RESULTS.md``): 2793 MiB and 37.4 ms per step with it,
-    4103 MiB and 31.0 ms without (timm with fused attention: 3988 MiB, 33.0 ms). Turn it off where GPU
-    memory is plentiful and the step is bound by the host. Results are the same either way (to
-    float rounding). Graphs (``torch.compile``, export) always take the plain form. The CPU's chunked
+    GELU output per MLP; it costs the recomputation. On the CPU it runs as two autograd functions
+    with their own backward (:class:`_NormLinear`, :class:`_GeluLinear`, whose backward uses the
+    CPU's oneDNN matmuls); elsewhere through saved-tensor hooks
+    (:func:`vtdense.layers.recompute.recomputed_input_linear`), so autograd's C++ backward runs,
+    and under others' saved-tensor hooks (activation checkpointing) through the functions again. On
+    one H200 (bf16, Swin-T, batch 8 at 512x768, ``benchmarks/RESULTS.md``): about 2.8 GB and
+    37-47 ms per step with it, 4.1 GB and 31-36 ms without (timm with fused attention: 4.0 GB,
+    33-39 ms); the two forms measured the same time. Turn it off where GPU memory is plentiful.
+    Results are the same either way (to float rounding). Graphs (``torch.compile``, export) always take the plain form. The CPU's chunked
     training paths (:func:`vtdense.layers.chunked.set_cpu_chunking`) recompute on their own."""
     global _recompute
     _recompute = bool(enabled)
@@ -94,6 +120,8 @@ def gelu_linear(h: Tensor, linear: nn.Linear, inplace: bool = False) -> Tensor:
     hidden-width tensor less at the peak). ``h``: ``(..., in)`` -> ``(..., out)``."""
     grad = torch.is_grad_enabled() and (h.requires_grad or linear.weight.requires_grad)
     if grad and _recompute and not tracing() and plain_linear(linear):
+        if h.requires_grad and _via_hooks(h):
+            return recomputed_input_linear(F.gelu, (h,), linear)
         return _GeluLinear.apply(h, linear.weight, linear.bias)
     if inplace and not tracing() and not (torch.is_grad_enabled() and h.requires_grad):
         return apply_linear(linear, torch.ops.aten.gelu_(h))
@@ -184,9 +212,11 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     ``(..., out)``."""
     if (_recompute and torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
             and plain_linear(linear)):
+        if x.requires_grad and _via_hooks(x):
+            return recomputed_input_linear(F.layer_norm, (x, x.shape[-1:], norm.weight, norm.bias, norm.eps), linear)
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     if triton_norm_applies(x, norm) and plain_linear(linear):  # CUDA bf16 inference, when switched on
-        return apply_linear(linear, layer_norm_bf16(x, norm.weight, norm.bias, norm.eps))
+        return apply_linear(linear, eager_layer_norm_bf16(x, norm.weight, norm.bias, norm.eps))
     return apply_linear(linear, norm(x))
 
 

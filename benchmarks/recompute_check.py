@@ -1,0 +1,128 @@
+"""On a GPU: the three forms of training's recomputation, their gradients and their memory.
+
+    python benchmarks/recompute_check.py [--device cuda]
+
+Gradients: Swin-T and MViTv2-T at batch 2, 256x384, under bf16 autocast, with the saved-tensor
+hooks form (``vtdense.layers.recompute``, the default off the CPU), the autograd functions
+(``_set_recompute_form("function")``) and no recomputation, each against a second run without
+recomputation, as the largest difference relative to the gradient's largest magnitude; the plain
+run against itself measures the kernels' own run-to-run differences (atomic adds). The worst
+parameters are named.
+
+Memory (CUDA only): Swin-T at batch 8, 512x768, bf16, for each form and for the hooks form with
+only the GELU's or only the norm's recomputation through hooks: MiB held after the forward above
+the model, the forward's peak and the backward's peak. Prints JSON lines. ``tests/test_recompute_hooks.py``
+checks the gradients and what is kept on the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+import vtdense
+from vtdense.layers import mlp
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        out = model(x)
+    sum(f.float().square().mean() for f in out.values()).backward()
+    return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@contextlib.contextmanager
+def _form(name: str) -> Iterator[None]:
+    """``plain``, ``function``, ``hooks``, ``hooks-gelu`` (the norms through the autograd function)
+    or ``hooks-norm`` (the GELUs through theirs)."""
+    if name == "plain":
+        with mlp.activation_recompute(False):
+            yield
+        return
+    mlp._set_recompute_form("function" if name == "function" else "hooks")
+    real = mlp.recomputed_input_linear
+
+    def partial(fn, args, linear):  # the other half through its autograd function
+        if name == "hooks-gelu" and fn is F.layer_norm:
+            x, _, nw, nb, eps = args
+            return mlp._NormLinear.apply(x, nw, nb, eps, linear.weight, linear.bias)
+        if name == "hooks-norm" and fn is F.gelu:
+            return mlp._GeluLinear.apply(args[0], linear.weight, linear.bias)
+        return real(fn, args, linear)
+
+    mlp.recomputed_input_linear = partial
+    try:
+        yield
+    finally:
+        mlp.recomputed_input_linear = real
+        mlp._set_recompute_form("auto")
+
+
+def gradients(device: str) -> dict:
+    out = {}
+    for name in ("swin_tiny", "mvitv2_tiny"):
+        torch.manual_seed(0)
+        model = vtdense.create_backbone(name, drop_path_rate=0.0).to(device).train()
+        x = torch.randn(2, 3, 256, 384, device=device)
+        with _form("plain"):
+            plain = _grads(model, x)
+        row: dict = {}
+        for form in ("plain", "function", "hooks"):
+            with _form(form):
+                g = _grads(model, x)
+            rel = {k: ((g[k] - plain[k]).abs().max() / plain[k].abs().max().clamp_min(1e-12)).item() for k in plain}
+            worst = sorted(rel, key=rel.get, reverse=True)[:3]
+            row[f"{form}_vs_plain"] = {k: f"{rel[k]:.2e}" for k in worst}
+        out[name] = row
+    return out
+
+
+def memory(device: str) -> dict:
+    torch.manual_seed(0)
+    model = vtdense.create_backbone("swin_tiny", drop_path_rate=0.0, out_norm=False).to(device).train()
+    x = torch.randn(8, 3, 512, 768, device=device)
+    out = {}
+    for form in ("function", "hooks", "hooks-gelu", "hooks-norm", "plain", "function", "hooks"):
+        with _form(form):
+            for _ in range(2):  # the second pass is measured
+                model.zero_grad(set_to_none=True)
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                with torch.autocast(device, dtype=torch.bfloat16):
+                    feats = model(x)
+                loss = sum(f.float().square().mean() for f in feats.values())
+                del feats
+                torch.cuda.synchronize()
+                held, fwd_peak = torch.cuda.memory_allocated() - base, torch.cuda.max_memory_allocated() - base
+                torch.cuda.reset_peak_memory_stats()
+                loss.backward()
+                del loss
+                torch.cuda.synchronize()
+                bwd_peak = torch.cuda.max_memory_allocated() - base
+        out[form] = [round(v / 2**20) for v in (held, fwd_peak, bwd_peak)]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here")
+        return 0
+    print(json.dumps(dict(gradients=gradients(args.device))))
+    if args.device == "cuda":
+        print(json.dumps(dict(memory_mib_held_fwdpeak_bwdpeak=memory(args.device))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
