@@ -18,7 +18,8 @@ Contender names:
   (CUDA bf16 inference with :func:`vtdense.layers.fused_norm.set_triton_norm` on for every pre-norm),
   ``vtdense aten-norm`` (off: PyTorch's LayerNorm and cast everywhere; the default is ``"auto"``), ``vtdense
   fn-recompute`` (training's recomputation through the autograd functions with a Python backward, the
-  CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU);
+  CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU), ``vtdense
+  triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
 - ``torchvision``: ``swin_t`` / ``swin_v2_t`` feature extractors, and for the detector rows
@@ -97,7 +98,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
 
     family = case["family"]
     base = contender
-    for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm", " aten-norm", " fn-recompute"):
+    for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm", " aten-norm", " fn-recompute", " triton-train"):
         base = base.replace(suffix, "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
@@ -207,6 +208,12 @@ def _triton_norm() -> contextlib.AbstractContextManager:
     return triton_norm(True)
 
 
+def _triton_train() -> contextlib.AbstractContextManager:
+    from vtdense.layers.fused_norm_train import triton_norm_training
+
+    return triton_norm_training(True)
+
+
 def _aten_norm() -> contextlib.AbstractContextManager:
     from vtdense.layers.fused_norm import triton_norm
 
@@ -228,7 +235,7 @@ def _fn_recompute() -> Iterator[None]:
 
 #: contender suffix -> the process-wide setting its steps run under
 _SETTINGS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " unfused": unfused, " fn-recompute": _fn_recompute}
+    " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " triton-train": _triton_train, " unfused": unfused, " fn-recompute": _fn_recompute}
 
 
 def _make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[], object]:

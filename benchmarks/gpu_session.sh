@@ -9,10 +9,10 @@
 #                                                   # for a session lent 15 minutes: kernel report, every
 #                                                   # bench case (no compiled contenders, no sections),
 #                                                   # the compile check, then profile_gpu.py's tables
-#   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 420 s): the rows where vtdense
-#                                                   # trailed (with `vtdense unfused`), the Swin-T training
-#                                                   # profiles, then the compiled training steps (Swin-T, and
-#                                                   # the detector with compile_backbone)
+#   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 420 s): the Triton LayerNorm and
+#                                                   # recomputation checks, the rows where vtdense trailed
+#                                                   # (with their switches' contenders), then the compiled
+#                                                   # training steps (Swin-T, and the detector with compile_backbone)
 #
 # Both install the wheels, then write to $OUT (or /tmp/vtdense-gpu) env.txt (nvidia-smi, versions) and:
 #   check: gpu_check.json / .log   attention paths vs math (fp32 1e-5, bf16), Swin-T dynamic compile (one graph)
@@ -22,8 +22,10 @@
 #   all:   the files of both (8 in all, the most a device call returns), the last being
 #          profile.log                                   `benchmarks/profile_gpu.py --host --python`
 #   focus: triton_norm.log                               benchmarks/triton_norm_check.py (the bf16 LayerNorm kernel)
-#          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (with `vtdense triton-norm`)
-#          profile.log                                   Swin-T train step: vtdense, vtdense unfused, timm fused
+#          recompute.log                                 benchmarks/recompute_check.py (training's recomputation forms,
+#                                                        the Triton LayerNorm in training among them)
+#          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (`vtdense aten-norm`, `vtdense
+#                                                        triton-norm`, `vtdense triton-train`, `vtdense unfused` beside vtdense)
 #          compiled.log, RESULTS-compiled.md             Swin-T train step, both compiled;
 #                                                   Mask R-CNN bf16 with compile_backbone (as far as the time goes)
 # Each step's failure is logged and the next step still runs; the exit status is the first failure's.
@@ -76,10 +78,9 @@ elif [ "$mode" = focus ]; then
     total=${2:-420}
     rows='^Swin-T inference, batch 64|^Swin-T train step, batch 8 at 512x768, bf16$|^MViTv2-T inference, batch 64|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
     step triton_norm timeout 60 python3 benchmarks/triton_norm_check.py --device cuda
+    step recompute timeout 90 python3 benchmarks/recompute_check.py --device cuda
     step bench timeout 150 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 100
     cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
-    step profile timeout 90 python3 benchmarks/profile_gpu.py --device cuda --only '^Swin-T train step, batch 8 at 512x768, bf16$' \
-        --contenders '^(vtdense|vtdense unfused|timm fused)$' --python
     left=$((total - SECONDS - 15))
     if [ $left -ge 90 ]; then
         step compiled timeout $left python3 benchmarks/run.py --device cuda --full --no-extras --only 'compiled$|compile_backbone$' --budget $((left - 30))

@@ -9,9 +9,9 @@ recomputation, as the largest difference relative to the gradient's largest magn
 run against itself measures the kernels' own run-to-run differences (atomic adds). The worst
 parameters are named.
 
-Memory (CUDA only): Swin-T at batch 8, 512x768, bf16, for each form and for the hooks form with
-only the GELU's or only the norm's recomputation through hooks: MiB held after the forward above
-the model, the forward's peak and the backward's peak. Prints JSON lines. ``tests/test_recompute_hooks.py``
+Memory (CUDA only): Swin-T at batch 8, 512x768, bf16, for each form: MiB held after the forward
+above the model, the forward's peak and the backward's peak. ``triton`` (CUDA only) is the hooks
+form with the large pre-norms through the Triton LayerNorm (:mod:`vtdense.layers.fused_norm_train`). Prints JSON lines. ``tests/test_recompute_hooks.py``
 checks the gradients and what is kept on the CPU.
 """
 
@@ -40,10 +40,17 @@ def _grads(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def _form(name: str) -> Iterator[None]:
-    """``plain``, ``function``, ``hooks``, ``hooks-gelu`` (the norms through the autograd function)
-    or ``hooks-norm`` (the GELUs through theirs)."""
+    """``plain``, ``function``, ``hooks``, ``hooks-gelu`` (the norms through the autograd function),
+    ``hooks-norm`` (the GELUs through theirs) or ``triton`` (hooks, and the large pre-norms through
+    :mod:`vtdense.layers.fused_norm_train`)."""
     if name == "plain":
         with mlp.activation_recompute(False):
+            yield
+        return
+    if name == "triton":
+        from vtdense.layers.fused_norm_train import triton_norm_training
+
+        with triton_norm_training(True):
             yield
         return
     mlp._set_recompute_form("function" if name == "function" else "hooks")
@@ -74,7 +81,7 @@ def gradients(device: str) -> dict:
         with _form("plain"):
             plain = _grads(model, x)
         row: dict = {}
-        for form in ("plain", "function", "hooks"):
+        for form in ("plain", "function", "hooks") + (("triton",) if device == "cuda" else ()):
             with _form(form):
                 g = _grads(model, x)
             rel = {k: ((g[k] - plain[k]).abs().max() / plain[k].abs().max().clamp_min(1e-12)).item() for k in plain}
@@ -89,7 +96,7 @@ def memory(device: str) -> dict:
     model = vtdense.create_backbone("swin_tiny", drop_path_rate=0.0, out_norm=False).to(device).train()
     x = torch.randn(8, 3, 512, 768, device=device)
     out = {}
-    for form in ("function", "hooks", "hooks-gelu", "hooks-norm", "plain", "function", "hooks"):
+    for form in ("function", "hooks", "triton", "plain"):
         with _form(form):
             for _ in range(2):  # the second pass is measured
                 model.zero_grad(set_to_none=True)

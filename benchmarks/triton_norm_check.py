@@ -52,28 +52,43 @@ def backbones(device: str) -> dict[str, float]:
     return out
 
 
-def timings(device: str, repeats: int = 200) -> list[dict]:
-    """Microseconds per call, CUDA events around ``repeats`` back-to-back calls: the Triton kernel
-    launched directly (``_launch``), through the custom op, and ATen's ``layer_norm`` + cast. At the
-    large shape the kernels set the pace, at the small one the host."""
-    from vtdense.layers.fused_norm import _launch
+def timings(device: str, repeats: int = 200,
+            shapes: tuple[tuple[int, int], ...] = ((64 * 3136, 96), (64 * 196, 384), (4096, 96))) -> list[dict]:
+    """Microseconds per call, CUDA events around ``repeats`` back-to-back calls. Inference: the
+    Triton kernel launched directly (``_launch``), through the custom op, and ATen's ``layer_norm`` +
+    cast. Training (:mod:`vtdense.layers.fused_norm_train`): the forward that also stores the rows'
+    statistics, the recomputation from them, and the backward kernel against ATen's
+    ``native_layer_norm_backward`` on the float32 gradient. At the large shape the kernels set the
+    pace, at the small one the host."""
+    from vtdense.layers.fused_norm import _launch, _run
+    from vtdense.layers.fused_norm_train import _norm_backward
 
-    forms = {"triton direct": lambda x, w, b: _launch(x, w, b, 1e-5),
-             "triton op": lambda x, w, b: layer_norm_bf16(x, w, b, 1e-5),
-             "aten + cast": lambda x, w, b: F.layer_norm(x, x.shape[-1:], w, b, 1e-5).to(torch.bfloat16)}
     out = []
-    for rows, C in [(64 * 3136, 96), (64 * 196, 384), (4096, 96)]:
+    for rows, C in shapes:
         x = torch.randn(rows, C, device=device)
         w, b = torch.randn(C, device=device), torch.randn(C, device=device)
+        g = torch.randn(rows, C, device=device).to(torch.bfloat16)
+        _, mean, rstd = _run(x, w, b, 1e-5, 1)
+        shape = (rows, 1)
+        forms = {
+            "triton direct": lambda: _launch(x, w, b, 1e-5),
+            "triton op": lambda: layer_norm_bf16(x, w, b, 1e-5),
+            "aten + cast": lambda: F.layer_norm(x, (C,), w, b, 1e-5).to(torch.bfloat16),
+            "train fwd triton (stats)": lambda: _run(x, w, b, 1e-5, 1),
+            "train recompute triton": lambda: _run(x, w, b, 1e-5, 2, mean, rstd),
+            "train bwd triton": lambda: _norm_backward(g, x, w, mean, rstd, (True, True, True)),
+            "train bwd aten (+ grad cast)": lambda: torch.ops.aten.native_layer_norm_backward(
+                g.float(), x, [C], mean.view(shape), rstd.view(shape), w, b, [True, True, True]),
+        }
         row: dict = dict(rows=rows, channels=C)
         for name, fn in forms.items():
             for _ in range(10):
-                fn(x, w, b)
+                fn()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize()
             start.record()
             for _ in range(repeats):
-                fn(x, w, b)
+                fn()
             end.record()
             torch.cuda.synchronize()
             row[name] = round(start.elapsed_time(end) * 1000 / repeats, 1)

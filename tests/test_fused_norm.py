@@ -120,21 +120,27 @@ def test_gpu_check_script_runs_here(capsys) -> None:
     assert report["backbones_max_rel_diff"] == {"swin_tiny": 0.0, "mvitv2_tiny": 0.0}
 
 
-@pytest.mark.parametrize("block,rows,affine,x_type", [(128, 32, True, "*fp32"), (1024, 4, False, "*bf16"), (8192, 1, True, "*fp32")])
-def test_kernel_compiles_for_hopper(block: int, rows: int, affine: bool, x_type: str) -> None:
+@pytest.mark.parametrize("block,rows,affine,x_type,stats", [(128, 32, True, "*fp32", 0), (1024, 4, False, "*bf16", 0),
+                                                         (8192, 1, True, "*fp32", 0), (128, 32, True, "*fp32", 1),
+                                                         (256, 16, True, "*bf16", 2)])
+def test_kernel_compiles_for_hopper(block: int, rows: int, affine: bool, x_type: str, stats: int) -> None:
     """Triton compiles the kernel to PTX and a cubin for sm_90 (the H100/H200) without a GPU (the
-    wheel carries ptxas): the typing errors the CPU interpreter lets through fail here."""
+    wheel carries ptxas): the typing errors the CPU interpreter lets through fail here. ``stats``:
+    inference (0), training's forward that stores the rows' statistics (1), its recomputation (2)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernel = fused_norm._triton_kernel()[0]
     signature = {"X": x_type, "W": "*fp32" if affine else "constexpr", "B": "*fp32" if affine else "constexpr",
-                 "Y": "*bf16", "M": "i32", "C": "i32", "stride_x": "i64", "eps": "fp32", "BLOCK_C": "constexpr",
-                 "ROWS": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr"}
-    constants = {"BLOCK_C": block, "ROWS": rows, "HAS_W": affine, "HAS_B": affine}
+                 "Y": "*bf16", "MEAN": "*fp32" if stats else "constexpr", "RSTD": "*fp32" if stats else "constexpr",
+                 "M": "i32", "C": "i32", "stride_x": "i64", "eps": "fp32", "BLOCK_C": "constexpr",
+                 "ROWS": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr", "STATS": "constexpr"}
+    constants = {"BLOCK_C": block, "ROWS": rows, "HAS_W": affine, "HAS_B": affine, "STATS": stats}
     if not affine:
         constants.update(W=None, B=None)
+    if not stats:
+        constants.update(MEAN=None, RSTD=None)
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if block >= 2048 else 4})
     assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000

@@ -79,17 +79,28 @@ def _triton_kernel() -> Any:
         return None
 
     @triton.jit
-    def _layer_norm_bf16(X, W, B, Y, M, C, stride_x, eps, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
-                         HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    def _layer_norm_bf16(X, W, B, Y, MEAN, RSTD, M, C, stride_x, eps, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr):
+        # STATS: 0 compute the rows' mean and 1/std, 1 compute and store them, 2 load them (a recomputation
+        # that must give the stored pass's values bit for bit: the same float32 steps from the same numbers)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK_C)
         cmask = cols < C
-        mask = (rows < M)[:, None] & cmask[None, :]
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
         rows = rows.to(tl.int64)
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(x, axis=1) / C
-        xc = tl.where(mask, x - mean[:, None], 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / C + eps)
+        if STATS == 2:
+            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
+            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+        else:
+            mean = tl.sum(x, axis=1) / C
+            xc = tl.where(mask, x - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / C + eps)
+            if STATS == 1:
+                tl.store(MEAN + rows, mean, mask=rmask)
+                tl.store(RSTD + rows, rstd, mask=rmask)
         y = xc * rstd[:, None]
         if HAS_W:
             y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -105,8 +116,10 @@ def _triton_kernel() -> Any:
     return _kernel
 
 
-def _launch(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
-    """Run the kernel on ``x`` ``(..., C)`` (rows contiguous): ``(..., C)`` bf16."""
+def _run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, stats: int,
+         mean: Tensor | None = None, rstd: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Run the kernel on ``x`` ``(..., C)`` (rows made contiguous): ``(..., C)`` bf16, and the rows'
+    float32 mean and 1/std ``(rows,)``: made here with ``stats=1``, given with ``stats=2``."""
     kernel, next_pow2, cdiv = _triton_kernel()
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
@@ -116,12 +129,21 @@ def _launch(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -
     bias = None if bias is None else bias.contiguous()
     y = torch.empty(x2.shape, dtype=torch.bfloat16, device=x.device)
     M = x2.shape[0]
+    if stats == 1:
+        mean = torch.empty(M, dtype=torch.float32, device=x.device)
+        rstd = torch.empty(M, dtype=torch.float32, device=x.device)
     if M:
         block = next_pow2(C)
         rows = max(1, min(64, 4096 // block))
-        kernel[(cdiv(M, rows),)](x2, weight, bias, y, M, C, x2.stride(0), eps, BLOCK_C=block, ROWS=rows,
-                                 HAS_W=weight is not None, HAS_B=bias is not None, num_warps=8 if block >= 2048 else 4)
-    return y.view(x.shape)
+        kernel[(cdiv(M, rows),)](x2, weight, bias, y, mean, rstd, M, C, x2.stride(0), eps, BLOCK_C=block, ROWS=rows,
+                                 HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats,
+                                 num_warps=8 if block >= 2048 else 4)
+    return y.view(x.shape), mean, rstd
+
+
+def _launch(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """Run the kernel on ``x`` ``(..., C)`` (rows contiguous): ``(..., C)`` bf16."""
+    return _run(x, weight, bias, eps, 0)[0]
 
 
 @torch.library.custom_op("vtdense::layer_norm_bf16", mutates_args=())

@@ -14,6 +14,7 @@ from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
 from vtdense.layers.cpu_linear import apply_linear, mm, mm_tn
 from vtdense.layers.cpu_linear import linear as _linear
 from vtdense.layers.fused_norm import eager_layer_norm_bf16, triton_norm_applies
+from vtdense.layers.fused_norm_train import triton_norm_linear, triton_norm_training_applies
 from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
 from vtdense.layers.recompute import hooks_free, recomputed_input_linear
 from vtdense.layers.scoped import scoped_setting
@@ -212,6 +213,8 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     ``(..., out)``."""
     if (_recompute and torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
             and plain_linear(linear)):
+        if triton_norm_training_applies(x):  # CUDA bf16 training, when switched on
+            return triton_norm_linear(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
         if x.requires_grad and _via_hooks(x):
             return recomputed_input_linear(F.layer_norm, (x, x.shape[-1:], norm.weight, norm.bias, norm.eps), linear)
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
