@@ -153,10 +153,18 @@ def test_others_hooks_and_checkpointing_take_the_autograd_functions(hooks_form, 
         assert (got[k] - ref[k]).abs().max() <= 1e-5 * max(1.0, float(ref[k].abs().max())), k
 
 
-def test_auto_form_is_per_device() -> None:
-    assert mlp._form == "auto"
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_auto_form_is_per_device_and_for_plain_tensors(hooks_form) -> None:
+    mlp._set_recompute_form("auto")
     assert not mlp._via_hooks(torch.empty(1))  # the CPU keeps the autograd functions (oneDNN backward)
     assert mlp._via_hooks(torch.empty(1, device="meta"))
+    # a subclass (DTensor, say) need not own its storage: the autograd functions then
+    assert not mlp._via_hooks(torch.empty(1, device="meta").as_subclass(_Sub))
+    mlp._set_recompute_form("hooks")
+    assert mlp._via_hooks(torch.empty(1)) and not mlp._via_hooks(torch.empty(1).as_subclass(_Sub))
     with pytest.raises(ValueError, match="unknown recompute form 'x'"):
         mlp._set_recompute_form("x")
 

@@ -38,9 +38,10 @@ def _set_recompute_form(form: str) -> None:
 def _via_hooks(x: Tensor) -> bool:
     """Whether the recomputation runs through :func:`~vtdense.layers.recompute.recomputed_input_linear`
     (autograd's C++ backward, a Python recipe per layer) rather than :class:`_NormLinear` /
-    :class:`_GeluLinear` (a Python backward): off the CPU by default, never under others'
-    saved-tensor hooks (checkpointing keeps the autograd functions)."""
-    if _form == "function" or (_form == "auto" and x.device.type == "cpu"):
+    :class:`_GeluLinear` (a Python backward): off the CPU by default, for plain tensors (not
+    subclasses such as ``DTensor``), never under others' saved-tensor hooks (checkpointing keeps
+    the autograd functions)."""
+    if _form == "function" or (_form == "auto" and x.device.type == "cpu") or type(x) is not Tensor:
         return False
     return hooks_free()
 

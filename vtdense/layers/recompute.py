@@ -70,7 +70,8 @@ def _same(x: Tensor) -> Tensor:
 def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.Linear) -> Tensor:
     """``linear(fn(*args))``, recorded by autograd, with ``fn``'s output recomputed in the backward
     pass instead of kept (see the module's docstring). ``fn`` must be deterministic and keep
-    whatever it needs of ``args`` for its own backward; call only where :func:`hooks_free`.
+    whatever it needs of ``args`` for its own backward; call only where :func:`hooks_free`, with
+    ``args[0]`` a plain tensor (not a subclass such as ``DTensor``, whose storage is not its own).
 
     Two tensors are remade instead of kept:
 
@@ -87,7 +88,7 @@ def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.L
     x_key = x.untyped_storage()._cdata
 
     def pack_in_fn(t: Tensor) -> Any:  # a cast copy of x: remade from x
-        if t.shape == x.shape and t.dtype != x.dtype and t.untyped_storage()._cdata != x_key:
+        if type(t) is Tensor and t.shape == x.shape and t.dtype != x.dtype and t.untyped_storage()._cdata != x_key:
             return _Recipe(_same, (x,), None, t.dtype, t)
         return t
 
@@ -102,7 +103,7 @@ def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.L
     dtype = a.dtype
 
     def pack(t: Tensor) -> Any:
-        if t.dtype == dtype and t.untyped_storage()._cdata == key:
+        if type(t) is Tensor and t.dtype == dtype and t.untyped_storage()._cdata == key:
             return _Recipe(fn, args, amp, dtype, t)
         return t
 
