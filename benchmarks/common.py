@@ -65,6 +65,20 @@ def error_line(err: BaseException, width: int = 120) -> str:
     return f"{type(err).__name__}: {lines[0][:width]}" if lines else type(err).__name__
 
 
+def check_device(argv: list[str] | None, doc: str | None) -> str | None:
+    """The ``--device`` (default ``cuda``) of a GPU check script whose only option it is, from
+    ``argv``; ``None``, with a message, where it asks for CUDA and there is none."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n\n")[0])
+    ap.add_argument("--device", default="cuda")
+    device = ap.parse_args(argv).device
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: no CUDA device here")
+        return None
+    return device
+
+
 def sync(device: str) -> None:
     """Wait for queued GPU work (no-op on the CPU)."""
     if device.startswith("cuda"):

@@ -17,7 +17,6 @@ checks the gradients and what is kept on the CPU.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -25,6 +24,7 @@ from typing import Iterator
 
 import torch
 import torch.nn.functional as F
+from common import check_device
 
 import vtdense
 from vtdense.layers import mlp
@@ -119,15 +119,12 @@ def memory(device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda")
-    args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device here")
+    device = check_device(argv, __doc__)
+    if device is None:
         return 0
-    print(json.dumps(dict(gradients=gradients(args.device))))
-    if args.device == "cuda":
-        print(json.dumps(dict(memory_mib_held_fwdpeak_bwdpeak=memory(args.device))))
+    print(json.dumps(dict(gradients=gradients(device))))
+    if device == "cuda":
+        print(json.dumps(dict(memory_mib_held_fwdpeak_bwdpeak=memory(device))))
     return 0
 
 

@@ -12,12 +12,12 @@ kernel in Triton's CPU interpreter.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 import torch
 import torch.nn.functional as F
+from common import check_device
 
 import vtdense
 from vtdense.layers.fused_norm import layer_norm_bf16, triton_norm
@@ -97,15 +97,12 @@ def timings(device: str, repeats: int = 200,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda")
-    args = ap.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: no CUDA device here")
+    device = check_device(argv, __doc__)
+    if device is None:
         return 0
-    print(json.dumps(dict(kernel=kernel_vs_reference(args.device), backbones_max_rel_diff=backbones(args.device))))
-    if args.device == "cuda":
-        print(json.dumps(dict(us_per_call=timings(args.device))))
+    print(json.dumps(dict(kernel=kernel_vs_reference(device), backbones_max_rel_diff=backbones(device))))
+    if device == "cuda":
+        print(json.dumps(dict(us_per_call=timings(device))))
     return 0
 
 

@@ -6,14 +6,13 @@ Its kernel runs here in Triton's CPU interpreter (a subprocess with ``TRITON_INT
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 import vtdense
 from vtdense.layers import fused_norm
@@ -49,11 +48,7 @@ KERNEL_CHECK = textwrap.dedent("""
 
 
 def test_kernel_in_tritons_interpreter_matches_layer_norm_then_cast() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    results = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = run_interpreted(KERNEL_CHECK)
     assert len(results) == 6
     for r in results:
         assert r["dtype"] == "torch.bfloat16" and r["shape"] == [r["rows"], r["C"]], r

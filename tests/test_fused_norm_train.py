@@ -7,19 +7,14 @@ rounding, first and second order. Where it applies is checked in this process.""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
+from triton_interpreter import ROOT, run_interpreted
 
 from vtdense.layers import fused_norm, fused_norm_train
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = textwrap.dedent("""
     import json, torch, torch.nn.functional as F
@@ -74,11 +69,7 @@ CHECK = textwrap.dedent("""
 
 
 def test_in_tritons_interpreter_against_plain_autograd() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_interpreted(CHECK)
     assert len(rows) == 3
     for r in rows:
         assert r["recomputed_identical"], r
@@ -175,11 +166,7 @@ MODEL_CHECK = textwrap.dedent("""
 def test_a_backbone_trains_through_it_in_tritons_interpreter() -> None:
     """The wiring: with it applying, every pre-norm + projection of a Swin (the qkv's, the MLP's, the
     patch mergings') takes it, and the gradients are plain autograd's within bf16 rounding."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", MODEL_CHECK], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = run_interpreted(MODEL_CHECK)
     assert r["calls"] == 4 * 2 + 3 and r["same_keys"] and r["params"] > 20, r
     assert r["cos"] >= 0.9999 and abs(r["norm_ratio"] - 1) <= 1e-3 and r["min_matrix_cos"] >= 0.999, r
 
@@ -198,9 +185,5 @@ def test_gpu_timing_script_runs_in_the_interpreter() -> None:
         import triton_norm_check
         print(json.dumps(triton_norm_check.timings("cpu", repeats=1, shapes=((37, 96), (5, 384)))))
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = run_interpreted(code)
     assert len(rows) == 2 and all(len(r) == 9 for r in rows), rows
