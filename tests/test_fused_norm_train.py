@@ -131,20 +131,18 @@ MODEL_CHECK = textwrap.dedent("""
     real = fused_norm_train._TritonNormLinear.apply
     fused_norm_train._TritonNormLinear.apply = lambda *a: (calls.append(1), real(*a))[1]
     # here on CPU tensors, in Triton's interpreter: where the GPU check passes, for every pre-norm
-    mlp.triton_norm_training_applies = lambda x: torch.is_grad_enabled() and x.is_floating_point()
+    on = [False]
+    mlp.triton_norm_training_applies = lambda x: on[0] and torch.is_grad_enabled() and x.is_floating_point()
     torch.manual_seed(0)
     model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4),
                                     window_size=4, out_norm=False, drop_path_rate=0.0).train()
     x = torch.randn(2, 3, 64, 96)
 
-    def grads(on):
+    def grads(triton):
+        on[0] = triton
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            if on:
-                out = model(x)
-            else:
-                with mlp.activation_recompute(False):
-                    out = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16), mlp.activation_recompute(False):
+            out = model(x)  # (the kernel's path also takes the pre-norms with the recomputation off)
         sum(f.float().square().mean() for f in out.values()).backward()
         return {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -13,6 +13,9 @@ it reads the bf16 gradient and ``x`` as they are (PyTorch's backward wants both 
 casts) and writes the input's gradient in ``x``'s dtype, with per-block partial sums of the weight's
 and bias's gradients that one ``sum`` finishes.
 
+It keeps what the recomputation keeps (:func:`vtdense.layers.mlp.set_activation_recompute`), and
+its own recomputation costs one fast kernel, so it runs with the recomputation switched off too.
+
 Where it applies (:func:`triton_norm_training_applies`): switched on with
 :func:`set_triton_norm_training`, a gradient being recorded on a plain CUDA tensor (not a fake or
 subclass tensor, no graph being built) under bf16 autocast, with at least

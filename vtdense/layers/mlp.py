@@ -212,10 +212,12 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
     """``linear(norm(x))``; when training eagerly it stores only ``x`` for the backward pass
     (the norm is recomputed there; :func:`set_activation_recompute`). ``x``: ``(..., in)`` ->
     ``(..., out)``."""
+    if triton_norm_training_applies(x) and plain_layer_norm(norm) and plain_linear(linear):
+        # CUDA bf16 training, when switched on: its recomputation costs one fast kernel, so it also
+        # runs with the recomputation switched off
+        return triton_norm_linear(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     if (_recompute and torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
             and plain_linear(linear)):
-        if triton_norm_training_applies(x):  # CUDA bf16 training, when switched on
-            return triton_norm_linear(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
         if x.requires_grad and _via_hooks(x):
             return recomputed_input_linear(F.layer_norm, (x, x.shape[-1:], norm.weight, norm.bias, norm.eps), linear)
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
