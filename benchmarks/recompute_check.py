@@ -72,12 +72,12 @@ def _form(name: str) -> Iterator[None]:
         mlp._set_recompute_form("auto")
 
 
-def gradients(device: str) -> dict:
+def gradients(device: str, size: tuple[int, int] = (256, 384)) -> dict:
     out = {}
     for name in ("swin_tiny", "mvitv2_tiny"):
         torch.manual_seed(0)
         model = vtdense.create_backbone(name, drop_path_rate=0.0).to(device).train()
-        x = torch.randn(2, 3, 256, 384, device=device)
+        x = torch.randn(2, 3, *size, device=device)
         with _form("plain"):
             plain = _grads(model, x)
         row: dict = {}
