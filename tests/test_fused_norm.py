@@ -139,3 +139,25 @@ def test_kernel_compiles_for_hopper(block: int, rows: int, affine: bool, x_type:
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 8 if block >= 2048 else 4})
     assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
+
+
+def test_a_kernel_that_fails_here_warns_once_and_pytorch_runs(monkeypatch) -> None:
+    """A Triton that cannot build or launch the kernel (no working compiler, an old GPU) must not
+    stop inference: one warning names the failure, PyTorch's LayerNorm + cast give the result, and
+    the kernel is not tried again."""
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("PassManager::run failed\nmore lines")
+
+    monkeypatch.setattr(fused_norm, "_direct", lambda x: True)  # a CPU tensor here stands for a CUDA one
+    monkeypatch.setattr(fused_norm, "_launch", broken)
+    monkeypatch.setattr(fused_norm, "_failed", None)
+    x, w, b = torch.randn(4, 24), torch.randn(24), torch.randn(24)
+    ref = torch.nn.functional.layer_norm(x, (24,), w, b, 1e-5).to(torch.bfloat16)
+    with pytest.warns(RuntimeWarning, match=r"Triton LayerNorm failed on this machine \(RuntimeError: PassManager::run failed\)"):
+        y = fused_norm.eager_layer_norm_bf16(x, w, b, 1e-5)
+    assert torch.equal(y, ref) and calls == [1]
+    assert torch.equal(fused_norm.eager_layer_norm_bf16(x, w, b, 1e-5), ref) and calls == [1]  # not tried again
+    assert not fused_norm._usable_on(torch.device("cuda", 0))  # and no longer chosen

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -49,6 +50,9 @@ MAX_CHANNELS = 8192
 #: In ``"auto"`` mode, the fewest values (rows x channels) an input needs to take the kernel.
 AUTO_MIN_ELEMENTS = 1 << 23
 _kernel: Any = None
+#: Why the kernel could not run on this machine (set by its first failure; PyTorch's ops run from then on).
+_failed: str | None = None
+_bf16_gpus: dict[int, bool] = {}
 
 
 def set_triton_norm(enabled: bool | str) -> None:
@@ -159,15 +163,45 @@ def layer_norm_bf16(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     return F.layer_norm(x.float(), x.shape[-1:], w, b, eps).to(torch.bfloat16)
 
 
+def _direct(x: Tensor) -> bool:
+    """Whether the kernel is launched directly on ``x``: a plain CUDA tensor (not a fake or subclass one)."""
+    return type(x) is Tensor and x.device.type == "cuda"
+
+
+def _usable_on(device: torch.device) -> bool:
+    """Whether the kernel can run on ``device``: Triton imports, it has not failed here before, and
+    the GPU has bf16 arithmetic (compute capability 8.0 or newer)."""
+    if _failed is not None or _triton_kernel() is None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _bf16_gpus.get(index)
+    if ok is None:
+        ok = _bf16_gpus[index] = torch.cuda.get_device_capability(index) >= (8, 0)
+    return ok
+
+
 def eager_layer_norm_bf16(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
     """:func:`layer_norm_bf16` for eager callers: on a plain CUDA tensor the kernel is launched
     directly, without the custom op's dispatch (host time, which a GPU inference step at batch 64
     cannot spare: through the op the kernel made Swin-T slower on the H200, see
-    ``benchmarks/RESULTS.md``); on anything else (fake tensors, subclasses) through the op.
-    Shapes as :func:`layer_norm_bf16`."""
-    if type(x) is Tensor and x.device.type == "cuda" and _triton_kernel() is not None:
-        return _launch(x, weight, bias, eps)
-    return layer_norm_bf16(x, weight, bias, eps)
+    ``benchmarks/RESULTS.md``); on anything else (fake tensors, subclasses) through the op. Where
+    the kernel fails to build or launch (a Triton without a working compiler here, say), one warning
+    says why and PyTorch's two ops run from then on. Shapes as :func:`layer_norm_bf16`."""
+    global _failed
+    if not _direct(x):
+        return layer_norm_bf16(x, weight, bias, eps)
+    if _failed is None:
+        try:
+            return _launch(x, weight, bias, eps)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 (any failure of Triton's: fall back, once, loudly)
+            _failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+            warnings.warn(f"vtdense: the Triton LayerNorm failed on this machine ({_failed}); PyTorch's "
+                          "LayerNorm runs instead from now on (vtdense.layers.fused_norm)", RuntimeWarning, stacklevel=2)
+    w = None if weight is None else weight.float()
+    b = None if bias is None else bias.float()
+    return F.layer_norm(x.float(), x.shape[-1:], w, b, eps).to(torch.bfloat16)
 
 
 @layer_norm_bf16.register_fake
@@ -179,8 +213,8 @@ def triton_norm_applies(x: Tensor, norm: nn.Module) -> bool:
     """Whether :func:`layer_norm_bf16` may stand in for ``norm(x)`` before a plain linear layer:
     switched on (in ``"auto"`` mode: ``x`` has at least :data:`AUTO_MIN_ELEMENTS` values), CUDA
     inference under bf16 autocast (no gradient to record, no graph being built), ``norm`` a plain
-    ``nn.LayerNorm`` over at most :data:`MAX_CHANNELS` channels, ``x`` float32 or bf16, and Triton
-    available."""
+    ``nn.LayerNorm`` over at most :data:`MAX_CHANNELS` channels, ``x`` float32 or bf16, Triton
+    available, and the GPU one with bf16 arithmetic where the kernel has not failed before."""
     if not _enabled or x.device.type != "cuda" or x.dtype not in (torch.float32, torch.bfloat16):
         return False
     if _enabled == "auto" and x.numel() < AUTO_MIN_ELEMENTS:
@@ -191,4 +225,4 @@ def triton_norm_applies(x: Tensor, norm: nn.Module) -> bool:
         return False
     if not plain_layer_norm(norm) or x.shape[-1] > MAX_CHANNELS or tracing():
         return False
-    return _triton_kernel() is not None
+    return _usable_on(x.device) if _direct(x) else _triton_kernel() is not None

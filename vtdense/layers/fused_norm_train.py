@@ -139,7 +139,7 @@ def triton_norm_training_applies(x: Tensor) -> bool:
         return False
     if x.numel() < fused_norm.AUTO_MIN_ELEMENTS or tracing():
         return False
-    return fused_norm._triton_kernel() is not None
+    return fused_norm._usable_on(x.device)
 
 
 def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
