@@ -9,7 +9,7 @@
 #                                                   # for a session lent 15 minutes: kernel report, every
 #                                                   # bench case (no compiled contenders, no sections),
 #                                                   # the compile check, then profile_gpu.py's tables
-#   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 420 s): the Triton LayerNorm and
+#   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 480 s): the Triton LayerNorm and
 #                                                   # recomputation checks, the rows where vtdense trailed
 #                                                   # (with their switches' contenders), then the compiled
 #                                                   # training steps (Swin-T, and the detector with compile_backbone)
@@ -75,11 +75,11 @@ if [ "$mode" = check ]; then
     step gpu_check timeout 420 python3 benchmarks/gpu_check.py --device cuda --compile-only swin_tiny --out "$out/gpu_check.json"
     step attention_kernels timeout 120 python3 benchmarks/attention_kernels.py --device cuda --dtype bf16
 elif [ "$mode" = focus ]; then
-    total=${2:-420}
+    total=${2:-480}
     rows='^Swin-T inference, batch 64|^Swin-T train step, batch 8 at 512x768, bf16$|^MViTv2-T inference, batch 64|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
     step triton_norm timeout 60 python3 benchmarks/triton_norm_check.py --device cuda
     step recompute timeout 90 python3 benchmarks/recompute_check.py --device cuda
-    step bench timeout 150 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 100
+    step bench timeout 190 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 140
     cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
     left=$((total - SECONDS - 15))
     if [ $left -ge 90 ]; then
