@@ -8,7 +8,9 @@ input not kept by the graph, one remake per layer, and the autograd functions un
 from __future__ import annotations
 
 import gc
+import sys
 import weakref
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -217,3 +219,32 @@ def test_gpu_check_script_runs_here() -> None:
         assert all(float(v) == 0.0 for v in out["swin_tiny"][form].values()), out
         assert all(float(v) < 1e-6 for v in out["mvitv2_tiny"][form].values()), out
     assert mlp._form == "auto"
+
+
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11),
+                    reason="fake CUDA tensors need torch >= 2.11 on a machine without a GPU")
+def test_on_the_gpu_path_the_norms_float32_copies_are_remade_too(monkeypatch) -> None:
+    """On fake CUDA tensors under bf16 autocast (the GPU's code path, the hooks form by default):
+    every linear input of a pre-norm or GELU becomes a recipe, and so does each float32 copy that
+    autocast's float32 LayerNorm makes of a bf16 input (Swin's residual stream after a patch
+    merging), which the norm would otherwise keep."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from launches import cuda_autocast, fake_cuda
+
+    made: list[str] = []
+    real_init = recompute._Recipe.__init__
+
+    def init(self, fn, *rest):
+        made.append("cast" if fn is recompute._same else "input")
+        real_init(self, fn, *rest)
+
+    monkeypatch.setattr(recompute._Recipe, "__init__", init)
+    model = _model()
+    with fake_cuda():
+        model = model.to("cuda")
+        x = torch.empty(2, 3, 64, 96, device="cuda")
+        with cuda_autocast(torch.bfloat16):
+            model(x)
+    assert made.count("input") == 4 * 3 + 3
+    # bf16 inputs: both pre-norms of the blocks of stages 2-4, and the norms of the last two mergings
+    assert made.count("cast") == 3 * 2 + 2

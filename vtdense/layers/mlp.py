@@ -16,7 +16,7 @@ from vtdense.layers.cpu_linear import linear as _linear
 from vtdense.layers.fused_norm import eager_layer_norm_bf16, triton_norm_applies
 from vtdense.layers.fused_norm_train import triton_norm_linear, triton_norm_training_applies
 from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
-from vtdense.layers.recompute import hooks_free, recomputed_input_linear
+from vtdense.layers.recompute import hooks_free, plain_storage, recomputed_input_linear
 from vtdense.layers.scoped import scoped_setting
 
 __all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear", "set_activation_recompute", "activation_recompute"]
@@ -41,7 +41,7 @@ def _via_hooks(x: Tensor) -> bool:
     :class:`_GeluLinear` (a Python backward): off the CPU by default, for plain tensors (not
     subclasses such as ``DTensor``), never under others' saved-tensor hooks (checkpointing keeps
     the autograd functions)."""
-    if _form == "function" or (_form == "auto" and x.device.type == "cpu") or type(x) is not Tensor:
+    if _form == "function" or (_form == "auto" and x.device.type == "cpu") or not plain_storage(x):
         return False
     return hooks_free()
 

@@ -25,13 +25,20 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["recomputed_input_linear", "hooks_free"]
+__all__ = ["recomputed_input_linear", "hooks_free", "plain_storage"]
 
 _push = torch._C._autograd._push_saved_tensors_default_hooks
 _pop = torch._C._autograd._pop_saved_tensors_default_hooks
 _top = torch._C._autograd._top_saved_tensors_default_hooks
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
+
+
+def plain_storage(t: Tensor) -> bool:
+    """Whether ``t`` is a plain tensor, whose storage is its own (or a fake one, standing for it in
+    the tests of the GPU code paths), not a subclass such as ``DTensor``."""
+    return type(t) is Tensor or type(t) is FakeTensor
 
 
 def hooks_free() -> bool:
@@ -67,11 +74,22 @@ def _same(x: Tensor) -> Tensor:
     return x
 
 
+def _cast_of(t: Tensor, x: Tensor, x_node: Any) -> bool:
+    """Whether autograd recorded ``t`` as a dtype cast of ``x`` (``x`` requires grad)."""
+    node = t.grad_fn
+    if node is None or type(node).__name__ != "ToCopyBackward0" or len(node.next_functions) != 1:
+        return False
+    src = node.next_functions[0][0]
+    if x_node is not None:
+        return src is x_node
+    return src is not None and getattr(src, "variable", None) is x  # x a leaf: its AccumulateGrad
+
+
 def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.Linear) -> Tensor:
     """``linear(fn(*args))``, recorded by autograd, with ``fn``'s output recomputed in the backward
     pass instead of kept (see the module's docstring). ``fn`` must be deterministic and keep
     whatever it needs of ``args`` for its own backward; call only where :func:`hooks_free`, with
-    ``args[0]`` a plain tensor (not a subclass such as ``DTensor``, whose storage is not its own).
+    ``args[0]`` of :func:`plain_storage`.
 
     Two tensors are remade instead of kept:
 
@@ -85,10 +103,10 @@ def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.L
     x = args[0]
     dev = x.device.type
     amp = (dev, torch.get_autocast_dtype(dev)) if dev in ("cpu", "cuda") and torch.is_autocast_enabled(dev) else None
-    x_key = x.untyped_storage()._cdata
+    x_node = x.grad_fn
 
-    def pack_in_fn(t: Tensor) -> Any:  # a cast copy of x: remade from x
-        if type(t) is Tensor and t.shape == x.shape and t.dtype != x.dtype and t.untyped_storage()._cdata != x_key:
+    def pack_in_fn(t: Tensor) -> Any:  # a cast copy of x (autograd's record says so): remade from x
+        if plain_storage(t) and t.shape == x.shape and t.dtype != x.dtype and _cast_of(t, x, x_node):
             return _Recipe(_same, (x,), None, t.dtype, t)
         return t
 
@@ -103,7 +121,7 @@ def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.L
     dtype = a.dtype
 
     def pack(t: Tensor) -> Any:
-        if type(t) is Tensor and t.dtype == dtype and t.untyped_storage()._cdata == key:
+        if plain_storage(t) and t.dtype == dtype and t.untyped_storage()._cdata == key:
             return _Recipe(fn, args, amp, dtype, t)
         return t
 
