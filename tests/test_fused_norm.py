@@ -161,3 +161,18 @@ def test_a_kernel_that_fails_here_warns_once_and_pytorch_runs(monkeypatch) -> No
     assert torch.equal(y, ref) and calls == [1]
     assert torch.equal(fused_norm.eager_layer_norm_bf16(x, w, b, 1e-5), ref) and calls == [1]  # not tried again
     assert not fused_norm._usable_on(torch.device("cuda", 0))  # and no longer chosen
+
+
+def test_no_size_test_while_a_graph_is_built(monkeypatch) -> None:
+    """On by default, the kernel's size test (``"auto"``) must not run while a graph is built: under
+    ``torch.compile(dynamic=True)`` it would install a guard on the input's size, and a size on the
+    other side of the bar would compile the graph again."""
+    from types import SimpleNamespace
+
+    def numel() -> int:
+        raise AssertionError("the size was read while tracing")
+
+    x = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.float32, numel=numel, shape=(4, 96))
+    monkeypatch.setattr(fused_norm, "tracing", lambda: True)
+    assert fused_norm._enabled == "auto"
+    assert not fused_norm.triton_norm_applies(x, torch.nn.LayerNorm(96))  # type: ignore[arg-type]

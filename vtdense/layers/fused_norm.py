@@ -215,14 +215,14 @@ def triton_norm_applies(x: Tensor, norm: nn.Module) -> bool:
     inference under bf16 autocast (no gradient to record, no graph being built), ``norm`` a plain
     ``nn.LayerNorm`` over at most :data:`MAX_CHANNELS` channels, ``x`` float32 or bf16, Triton
     available, and the GPU one with bf16 arithmetic where the kernel has not failed before."""
-    if not _enabled or x.device.type != "cuda" or x.dtype not in (torch.float32, torch.bfloat16):
-        return False
+    if not _enabled or x.device.type != "cuda" or x.dtype not in (torch.float32, torch.bfloat16) or tracing():
+        return False  # (tracing first: a size test in a graph being built would guard on the size)
     if _enabled == "auto" and x.numel() < AUTO_MIN_ELEMENTS:
         return False
     if not torch.is_autocast_enabled("cuda") or torch.get_autocast_dtype("cuda") != torch.bfloat16:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in norm.parameters())):
         return False
-    if not plain_layer_norm(norm) or x.shape[-1] > MAX_CHANNELS or tracing():
+    if not plain_layer_norm(norm) or x.shape[-1] > MAX_CHANNELS:
         return False
     return _usable_on(x.device) if _direct(x) else _triton_kernel() is not None

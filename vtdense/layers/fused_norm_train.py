@@ -131,13 +131,13 @@ def triton_norm_training(enabled: bool) -> contextlib.AbstractContextManager[Non
 def triton_norm_training_applies(x: Tensor) -> bool:
     """Whether :func:`triton_norm_linear` may run for a plain ``nn.LayerNorm`` on ``x`` followed by a
     plain ``nn.Linear`` in training (see the module's docstring; the caller checks the modules)."""
-    if not _enabled or type(x) is not Tensor or x.device.type != "cuda" or not torch.is_grad_enabled():
-        return False
+    if not _enabled or type(x) is not Tensor or x.device.type != "cuda" or not torch.is_grad_enabled() or tracing():
+        return False  # (tracing first: a size test in a graph being built would guard on the size)
     if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] > fused_norm.MAX_CHANNELS:
         return False
     if not torch.is_autocast_enabled("cuda") or torch.get_autocast_dtype("cuda") != torch.bfloat16:
         return False
-    if x.numel() < fused_norm.AUTO_MIN_ELEMENTS or tracing():
+    if x.numel() < fused_norm.AUTO_MIN_ELEMENTS:
         return False
     return fused_norm._usable_on(x.device)
 
