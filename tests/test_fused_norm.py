@@ -176,3 +176,24 @@ def test_no_size_test_while_a_graph_is_built(monkeypatch) -> None:
     monkeypatch.setattr(fused_norm, "tracing", lambda: True)
     assert fused_norm._enabled == "auto"
     assert not fused_norm.triton_norm_applies(x, torch.nn.LayerNorm(96))  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11),
+                    reason="fake CUDA tensors need torch >= 2.11 on a machine without a GPU")
+def test_mvitv2_takes_it_for_both_pre_norms_of_every_block() -> None:
+    """MViTv2's attention pre-norm feeds only linear layers (the q/k/v products and, where the width
+    changes, the shortcut's), as does the MLP's: with the kernel on every pre-norm, each block runs it
+    twice, and no pre-norm output is cast after it."""
+    def count(on: bool) -> launches.Count:
+        torch.manual_seed(0)
+        model = vtdense.create_backbone("mvitv2_tiny", embed_dim=16, depths=(1, 2, 2, 1), window_size=16,
+                                        drop_path_rate=0.0)
+        with fused_norm.triton_norm(on):
+            return launches.count_forward(model, lambda: torch.randn(2, 3, 96, 128, device="cuda"), train=False,
+                                          dtype=torch.bfloat16)
+
+    on, off = count(True), count(False)
+    fused = sum(v for k, v in on.ops.items() if "layer_norm_bf16" in k)
+    assert fused == 2 * 6, on.ops  # six blocks
+    assert on.casts <= off.casts - fused, (on.casts, off.casts)
+    assert on.total < off.total

@@ -64,6 +64,7 @@ from vtdense.layers.decomposed_attention import (
     decomposed_attention_chunked,
 )
 from vtdense.layers.drop import DropPath, residual
+from vtdense.layers.fused_norm import norm_for_linears
 from vtdense.layers.mlp import Mlp
 from vtdense.layers.cpu_linear import apply_linear, linear, packed_weights
 from vtdense.layers.plain import plain_linear, plain_module
@@ -373,7 +374,7 @@ class MultiScaleBlock(nn.Module):
         if chunking_applies(x, self):
             with packed_weights():  # each weight reordered for oneDNN once for all the chunks (see cpu_linear)
                 return self._forward_chunked(x)
-        x_norm = self.norm1(x)
+        x_norm = norm_for_linears(x, self.norm1, self.attn.qkv, self.shortcut_proj_attn)  # (CUDA bf16 inference: Triton)
         if self.shortcut_proj_attn is not None and plain_linear(self.shortcut_proj_attn) and plain_linear(self.attn.qkv):
             (x_norm,) = autocast_inputs(x_norm)  # read by the shortcut's product and the q/k/v products
         shortcut = x if self.shortcut_proj_attn is None else apply_linear(self.shortcut_proj_attn, x_norm)
@@ -382,7 +383,7 @@ class MultiScaleBlock(nn.Module):
         x = residual(shortcut, self.drop_path1, self.attn(x_norm))
         if self.shortcut_proj_mlp is None:  # the MLP's pre-norm is fused with its fc1 (see Mlp)
             return residual(x, self.drop_path2, self.mlp(x, norm=self.norm2))
-        x_norm = self.norm2(x)
+        x_norm = norm_for_linears(x, self.norm2, self.shortcut_proj_mlp, self.mlp.fc1)
         if plain_linear(self.shortcut_proj_mlp) and plain_linear(self.mlp.fc1):
             (x_norm,) = autocast_inputs(x_norm)  # read by the shortcut's product and fc1
         return residual(apply_linear(self.shortcut_proj_mlp, x_norm), self.drop_path2, self.mlp(x_norm))

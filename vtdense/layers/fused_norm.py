@@ -38,11 +38,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vtdense.layers.plain import plain_layer_norm
+from vtdense.layers.plain import plain_layer_norm, plain_linear
 from vtdense.layers.scoped import scoped_setting
 from vtdense.layers.tracing import tracing
 
-__all__ = ["set_triton_norm", "triton_norm", "triton_norm_applies", "layer_norm_bf16", "eager_layer_norm_bf16"]
+__all__ = ["set_triton_norm", "triton_norm", "triton_norm_applies", "layer_norm_bf16", "eager_layer_norm_bf16",
+           "norm_for_linears"]
 
 _enabled: bool | str = "auto"
 #: Widest row the kernel takes in one block.
@@ -226,3 +227,13 @@ def triton_norm_applies(x: Tensor, norm: nn.Module) -> bool:
     if not plain_layer_norm(norm) or x.shape[-1] > MAX_CHANNELS:
         return False
     return _usable_on(x.device) if _direct(x) else _triton_kernel() is not None
+
+
+def norm_for_linears(x: Tensor, norm: nn.Module, *linears: nn.Module | None) -> Tensor:
+    """``norm(x)`` whose every consumer is one of ``linears`` (``None`` entries are skipped): where
+    :func:`triton_norm_applies` and each is a plain ``nn.Linear``, the kernel's bf16 output, which is
+    what each linear's autocast cast of ``norm(x)`` would give (MViTv2's pre-norm feeds its q/k/v
+    projection and, where the width changes, the shortcut's). ``x``: ``(..., C)`` -> ``(..., C)``."""
+    if triton_norm_applies(x, norm) and all(lin is None or plain_linear(lin) for lin in linears):
+        return eager_layer_norm_bf16(x, norm.weight, norm.bias, norm.eps)  # type: ignore[arg-type]
+    return norm(x)
