@@ -68,12 +68,15 @@ def timings(device: str, repeats: int = 200,
         x = torch.randn(rows, C, device=device)
         w, b = torch.randn(C, device=device), torch.randn(C, device=device)
         g = torch.randn(rows, C, device=device).to(torch.bfloat16)
+        xb = x.to(torch.bfloat16)  # a conv's bf16 output, as Swin's patch-embedding norm reads it
         _, mean, rstd = _run(x, w, b, 1e-5, 1)
         shape = (rows, 1)
         forms = {
             "triton direct": lambda: _launch(x, w, b, 1e-5),
             "triton op": lambda: layer_norm_bf16(x, w, b, 1e-5),
             "aten + cast": lambda: F.layer_norm(x, (C,), w, b, 1e-5).to(torch.bfloat16),
+            "f32 out triton (bf16 in)": lambda: _run(xb, w, b, 1e-5, 0, out_dtype=torch.float32),
+            "f32 out aten (bf16 in)": lambda: F.layer_norm(xb.float(), (C,), w, b, 1e-5),
             "train fwd triton (stats)": lambda: _run(x, w, b, 1e-5, 1),
             "train recompute triton": lambda: _run(x, w, b, 1e-5, 2, mean, rstd),
             "train bwd triton": lambda: _norm_backward(g, x, w, mean, rstd, (True, True, True)),

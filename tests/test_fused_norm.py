@@ -38,6 +38,16 @@ KERNEL_CHECK = textwrap.dedent("""
         ulps = ((y.float() - ref.float()).abs() / ref.float().abs().clamp_min(1e-30)).max().item() if rows else 0.0
         same = (y == ref).float().mean().item() if rows else 1.0
         out.append(dict(C=C, rows=rows, dtype=str(y.dtype), shape=list(y.shape), same=same, rel=ulps))
+    # the float32-output variant (Swin's patch-embedding norm): PyTorch's values but for float32's last bits
+    from vtdense.layers.fused_norm import _run
+    for C, dtype in [(96, torch.bfloat16), (130, torch.float32)]:
+        x = (torch.randn(3, 17, C) * 3 + 5).to(dtype)
+        w, b = torch.randn(C), torch.randn(C)
+        y = _run(x.permute(1, 0, 2), w, b, 1e-5, 0, out_dtype=torch.float32)[0]  # rows not contiguous
+        ref = F.layer_norm(x.permute(1, 0, 2).float(), (C,), w, b, 1e-5)
+        rel = ((y - ref).abs().max() / ref.abs().max()).item()
+        out.append(dict(C=C, rows=51, dtype=str(y.dtype), shape=[51, C], same=1.0 if rel <= 1e-6 else 0.0, rel=0.0,
+                        f32_shape=list(y.shape) == [17, 3, C]))
     # a strided input (rows not contiguous) goes through a contiguous copy
     x = torch.randn(8, 2, 96)[:, 0]
     y = _launch(x, None, None, 1e-6)
@@ -49,8 +59,12 @@ KERNEL_CHECK = textwrap.dedent("""
 
 def test_kernel_in_tritons_interpreter_matches_layer_norm_then_cast() -> None:
     results = run_interpreted(KERNEL_CHECK)
-    assert len(results) == 6
+    assert len(results) == 8
+    f32 = [r for r in results if "f32_shape" in r]
+    assert len(f32) == 2 and all(r["dtype"] == "torch.float32" and r["f32_shape"] and r["same"] == 1.0 for r in f32), f32
     for r in results:
+        if "f32_shape" in r:
+            continue
         assert r["dtype"] == "torch.bfloat16" and r["shape"] == [r["rows"], r["C"]], r
         # rounded to nearest even like the cast: equal but for float32 results on a rounding boundary
         assert r["same"] >= 0.999, r
@@ -115,10 +129,10 @@ def test_gpu_check_script_runs_here(capsys) -> None:
     assert report["backbones_max_rel_diff"] == {"swin_tiny": 0.0, "mvitv2_tiny": 0.0}
 
 
-@pytest.mark.parametrize("block,rows,affine,x_type,stats", [(128, 32, True, "*fp32", 0), (1024, 4, False, "*bf16", 0),
-                                                         (8192, 1, True, "*fp32", 0), (128, 32, True, "*fp32", 1),
-                                                         (256, 16, True, "*bf16", 2)])
-def test_kernel_compiles_for_hopper(block: int, rows: int, affine: bool, x_type: str, stats: int) -> None:
+@pytest.mark.parametrize("block,rows,affine,x_type,stats,out_bf16", [
+    (128, 32, True, "*fp32", 0, True), (1024, 4, False, "*bf16", 0, True), (8192, 1, True, "*fp32", 0, True),
+    (128, 32, True, "*fp32", 1, True), (256, 16, True, "*bf16", 2, True), (128, 32, True, "*bf16", 0, False)])
+def test_kernel_compiles_for_hopper(block: int, rows: int, affine: bool, x_type: str, stats: int, out_bf16: bool) -> None:
     """Triton compiles the kernel to PTX and a cubin for sm_90 (the H100/H200) without a GPU (the
     wheel carries ptxas): the typing errors the CPU interpreter lets through fail here. ``stats``:
     inference (0), training's forward that stores the rows' statistics (1), its recomputation (2)."""
@@ -128,10 +142,12 @@ def test_kernel_compiles_for_hopper(block: int, rows: int, affine: bool, x_type:
 
     kernel = fused_norm._triton_kernel()[0]
     signature = {"X": x_type, "W": "*fp32" if affine else "constexpr", "B": "*fp32" if affine else "constexpr",
-                 "Y": "*bf16", "MEAN": "*fp32" if stats else "constexpr", "RSTD": "*fp32" if stats else "constexpr",
+                 "Y": "*bf16" if out_bf16 else "*fp32", "MEAN": "*fp32" if stats else "constexpr", "RSTD": "*fp32" if stats else "constexpr",
                  "M": "i32", "C": "i32", "stride_x": "i64", "eps": "fp32", "BLOCK_C": "constexpr",
-                 "ROWS": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr", "STATS": "constexpr"}
-    constants = {"BLOCK_C": block, "ROWS": rows, "HAS_W": affine, "HAS_B": affine, "STATS": stats}
+                 "ROWS": "constexpr", "HAS_W": "constexpr", "HAS_B": "constexpr", "STATS": "constexpr",
+                 "OUT_BF16": "constexpr"}
+    constants = {"BLOCK_C": block, "ROWS": rows, "HAS_W": affine, "HAS_B": affine, "STATS": stats,
+                 "OUT_BF16": out_bf16}
     if not affine:
         constants.update(W=None, B=None)
     if not stats:
@@ -197,3 +213,32 @@ def test_mvitv2_takes_it_for_both_pre_norms_of_every_block() -> None:
     assert fused == 2 * 6, on.ops  # six blocks
     assert on.casts <= off.casts - fused, (on.casts, off.casts)
     assert on.total < off.total
+
+
+def test_swins_patch_embedding_norm_takes_the_float32_variant(monkeypatch) -> None:
+    """Where the kernel applies (CUDA bf16 inference, a large input), Swin's patch-embedding norm runs
+    it with a float32 output, the residual stream's dtype; elsewhere the module. (A CPU tensor stands
+    for a CUDA one here; the kernel itself is checked in the interpreter above.)"""
+    from vtdense.backbones.swin import PatchEmbed
+
+    seen = []
+
+    def run(x, w, b, eps, stats, mean=None, rstd=None, out_dtype=torch.bfloat16):
+        seen.append((tuple(x.shape), out_dtype))
+        return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], w, b, eps), None, None
+
+    torch.manual_seed(0)
+    embed = PatchEmbed(3, 32, 4).eval()
+    x = torch.randn(2, 3, 32, 48)
+    with torch.no_grad():
+        ref = embed(x)
+        monkeypatch.setattr(fused_norm, "_direct", lambda t: True)
+        monkeypatch.setattr(fused_norm, "triton_norm_applies", lambda t, norm: True)
+        monkeypatch.setattr(fused_norm, "_run", run)
+        got = embed(x)
+    assert seen == [((2, 8, 12, 32), torch.float32)]
+    assert got.dtype == torch.float32 and torch.allclose(got, ref, atol=1e-6)
+    monkeypatch.setattr(fused_norm, "triton_norm_applies", lambda t, norm: False)
+    with torch.no_grad():
+        embed(x)
+    assert len(seen) == 1  # not applying: the module

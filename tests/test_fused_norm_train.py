@@ -184,4 +184,4 @@ def test_gpu_timing_script_runs_in_the_interpreter() -> None:
         print(json.dumps(triton_norm_check.timings("cpu", repeats=1, shapes=((37, 96), (5, 384)))))
     """)
     rows = run_interpreted(code)
-    assert len(rows) == 2 and all(len(r) == 9 for r in rows), rows
+    assert len(rows) == 2 and all(len(r) == 11 for r in rows), rows

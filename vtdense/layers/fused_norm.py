@@ -43,7 +43,7 @@ from vtdense.layers.scoped import scoped_setting
 from vtdense.layers.tracing import tracing
 
 __all__ = ["set_triton_norm", "triton_norm", "triton_norm_applies", "layer_norm_bf16", "eager_layer_norm_bf16",
-           "norm_for_linears"]
+           "norm_for_linears", "float_layer_norm"]
 
 _enabled: bool | str = "auto"
 #: Widest row the kernel takes in one block.
@@ -85,7 +85,7 @@ def _triton_kernel() -> Any:
 
     @triton.jit
     def _layer_norm_bf16(X, W, B, Y, MEAN, RSTD, M, C, stride_x, eps, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
-                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr):
+                         HAS_W: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr, OUT_BF16: tl.constexpr):
         # STATS: 0 compute the rows' mean and 1/std, 1 compute and store them, 2 load them (a recomputation
         # that must give the stored pass's values bit for bit: the same float32 steps from the same numbers)
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -111,20 +111,25 @@ def _triton_kernel() -> Any:
             y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
         if HAS_B:
             y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-        # round to nearest even on the bits, so every backend (the CPU interpreter truncates) agrees
-        bits = y.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        y = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-        tl.store(Y + rows[:, None] * C + cols[None, :], y.to(tl.bfloat16), mask=mask)
+        if OUT_BF16:
+            # round to nearest even on the bits, so every backend (the CPU interpreter truncates) agrees
+            bits = y.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            y = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+            tl.store(Y + rows[:, None] * C + cols[None, :], y.to(tl.bfloat16), mask=mask)
+        else:
+            tl.store(Y + rows[:, None] * C + cols[None, :], y, mask=mask)
 
     _kernel = (_layer_norm_bf16, triton.next_power_of_2, triton.cdiv)
     return _kernel
 
 
 def _run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, stats: int,
-         mean: Tensor | None = None, rstd: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Run the kernel on ``x`` ``(..., C)`` (rows made contiguous): ``(..., C)`` bf16, and the rows'
-    float32 mean and 1/std ``(rows,)``: made here with ``stats=1``, given with ``stats=2``."""
+         mean: Tensor | None = None, rstd: Tensor | None = None,
+         out_dtype: torch.dtype = torch.bfloat16) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Run the kernel on ``x`` ``(..., C)`` (rows made contiguous): ``(..., C)`` in ``out_dtype``
+    (bf16, or float32), and the rows' float32 mean and 1/std ``(rows,)``: made here with
+    ``stats=1``, given with ``stats=2``."""
     kernel, next_pow2, cdiv = _triton_kernel()
     C = x.shape[-1]
     x2 = x.reshape(-1, C)
@@ -132,7 +137,7 @@ def _run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, stat
         x2 = x2.contiguous()
     weight = None if weight is None else weight.contiguous()
     bias = None if bias is None else bias.contiguous()
-    y = torch.empty(x2.shape, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
     M = x2.shape[0]
     if stats == 1:
         mean = torch.empty(M, dtype=torch.float32, device=x.device)
@@ -142,7 +147,7 @@ def _run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, stat
         rows = max(1, min(64, 4096 // block))
         kernel[(cdiv(M, rows),)](x2, weight, bias, y, mean, rstd, M, C, x2.stride(0), eps, BLOCK_C=block, ROWS=rows,
                                  HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats,
-                                 num_warps=8 if block >= 2048 else 4)
+                                 OUT_BF16=out_dtype == torch.bfloat16, num_warps=8 if block >= 2048 else 4)
     return y.view(x.shape), mean, rstd
 
 
@@ -181,6 +186,15 @@ def _usable_on(device: torch.device) -> bool:
     return ok
 
 
+def _fail(err: Exception) -> None:
+    """Record why the kernel failed here (PyTorch's ops run from then on) and say it once."""
+    global _failed
+    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+    _failed = f"{type(err).__name__}: {first}"
+    warnings.warn(f"vtdense: the Triton LayerNorm failed on this machine ({_failed}); PyTorch's "
+                  "LayerNorm runs instead from now on (vtdense.layers.fused_norm)", RuntimeWarning, stacklevel=3)
+
+
 def eager_layer_norm_bf16(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
     """:func:`layer_norm_bf16` for eager callers: on a plain CUDA tensor the kernel is launched
     directly, without the custom op's dispatch (host time, which a GPU inference step at batch 64
@@ -188,7 +202,6 @@ def eager_layer_norm_bf16(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     ``benchmarks/RESULTS.md``); on anything else (fake tensors, subclasses) through the op. Where
     the kernel fails to build or launch (a Triton without a working compiler here, say), one warning
     says why and PyTorch's two ops run from then on. Shapes as :func:`layer_norm_bf16`."""
-    global _failed
     if not _direct(x):
         return layer_norm_bf16(x, weight, bias, eps)
     if _failed is None:
@@ -197,9 +210,7 @@ def eager_layer_norm_bf16(x: Tensor, weight: Tensor | None, bias: Tensor | None,
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as err:  # noqa: BLE001 (any failure of Triton's: fall back, once, loudly)
-            _failed = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
-            warnings.warn(f"vtdense: the Triton LayerNorm failed on this machine ({_failed}); PyTorch's "
-                          "LayerNorm runs instead from now on (vtdense.layers.fused_norm)", RuntimeWarning, stacklevel=2)
+            _fail(err)
     w = None if weight is None else weight.float()
     b = None if bias is None else bias.float()
     return F.layer_norm(x.float(), x.shape[-1:], w, b, eps).to(torch.bfloat16)
@@ -236,4 +247,21 @@ def norm_for_linears(x: Tensor, norm: nn.Module, *linears: nn.Module | None) -> 
     projection and, where the width changes, the shortcut's). ``x``: ``(..., C)`` -> ``(..., C)``."""
     if triton_norm_applies(x, norm) and all(lin is None or plain_linear(lin) for lin in linears):
         return eager_layer_norm_bf16(x, norm.weight, norm.bias, norm.eps)  # type: ignore[arg-type]
+    return norm(x)
+
+
+def float_layer_norm(x: Tensor, norm: nn.Module) -> Tensor:
+    """``norm(x)`` as CUDA autocast runs it, in float32, for a norm whose output is no projection's
+    input (Swin's patch embedding, whose output starts the float32 residual stream): where
+    :func:`triton_norm_applies`, by the kernel with a float32 output on a plain CUDA tensor (a conv's
+    bf16 output read as it is, where autocast would cast it to float32 first). The values are
+    PyTorch's but for the last bits of float32 (the statistics summed in another order).
+    ``x``: ``(..., C)`` -> ``(..., C)`` float32."""
+    if _direct(x) and _failed is None and triton_norm_applies(x, norm):
+        try:
+            return _run(x, norm.weight, norm.bias, norm.eps, 0, out_dtype=torch.float32)[0]  # type: ignore[arg-type]
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 (as in eager_layer_norm_bf16)
+            _fail(err)
     return norm(x)
