@@ -26,7 +26,6 @@ import sys
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from common import check_device
 
 import vtdense
@@ -43,8 +42,7 @@ def _grads(model: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def _form(name: str) -> Iterator[None]:
-    """``plain``, ``function``, ``hooks``, ``hooks-gelu`` (the norms through the autograd function),
-    ``hooks-norm`` (the GELUs through theirs), ``triton`` (hooks, and the large pre-norms through
+    """``plain``, ``function``, ``hooks``, ``triton`` (hooks, and the large pre-norms through
     :mod:`vtdense.layers.fused_norm_train`) or ``triton-every`` (every pre-norm through it)."""
     if name == "plain":
         with mlp.activation_recompute(False):
@@ -63,22 +61,10 @@ def _form(name: str) -> Iterator[None]:
         finally:
             fused_norm.AUTO_MIN_ELEMENTS = bar
         return
-    mlp._set_recompute_form("function" if name == "function" else "hooks")
-    real = mlp.recomputed_input_linear
-
-    def partial(fn, args, linear):  # the other half through its autograd function
-        if name == "hooks-gelu" and fn is F.layer_norm:
-            x, _, nw, nb, eps = args
-            return mlp._NormLinear.apply(x, nw, nb, eps, linear.weight, linear.bias)
-        if name == "hooks-norm" and fn is F.gelu:
-            return mlp._GeluLinear.apply(args[0], linear.weight, linear.bias)
-        return real(fn, args, linear)
-
-    mlp.recomputed_input_linear = partial
+    mlp._set_recompute_form(name)  # "function" or "hooks"
     try:
         yield
     finally:
-        mlp.recomputed_input_linear = real
         mlp._set_recompute_form("auto")
 
 

@@ -164,9 +164,14 @@ def layer_norm_bf16(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     if x.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         if _triton_kernel() is not None:
             return _launch(x, weight, bias, eps)
+    return _reference(x, weight, bias, eps).to(torch.bfloat16)
+
+
+def _reference(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
+    """PyTorch's float32 LayerNorm of ``x``, as CUDA autocast runs it."""
     w = None if weight is None else weight.float()
     b = None if bias is None else bias.float()
-    return F.layer_norm(x.float(), x.shape[-1:], w, b, eps).to(torch.bfloat16)
+    return F.layer_norm(x.float(), x.shape[-1:], w, b, eps)
 
 
 def _direct(x: Tensor) -> bool:
@@ -186,13 +191,22 @@ def _usable_on(device: torch.device) -> bool:
     return ok
 
 
-def _fail(err: Exception) -> None:
-    """Record why the kernel failed here (PyTorch's ops run from then on) and say it once."""
+def _guarded(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, out_dtype: torch.dtype) -> Tensor | None:
+    """The kernel's output in ``out_dtype``, or ``None`` where it has failed here: its first failure
+    to build or launch is recorded and said once, and PyTorch's ops run from then on."""
     global _failed
-    first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-    _failed = f"{type(err).__name__}: {first}"
-    warnings.warn(f"vtdense: the Triton LayerNorm failed on this machine ({_failed}); PyTorch's "
-                  "LayerNorm runs instead from now on (vtdense.layers.fused_norm)", RuntimeWarning, stacklevel=3)
+    if _failed is not None:
+        return None
+    try:
+        return _run(x, weight, bias, eps, 0, out_dtype=out_dtype)[0]
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 (any failure of Triton's: fall back, once, loudly)
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        _failed = f"{type(err).__name__}: {first}"
+        warnings.warn(f"vtdense: the Triton LayerNorm failed on this machine ({_failed}); PyTorch's "
+                      "LayerNorm runs instead from now on (vtdense.layers.fused_norm)", RuntimeWarning, stacklevel=3)
+        return None
 
 
 def eager_layer_norm_bf16(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:
@@ -204,16 +218,8 @@ def eager_layer_norm_bf16(x: Tensor, weight: Tensor | None, bias: Tensor | None,
     says why and PyTorch's two ops run from then on. Shapes as :func:`layer_norm_bf16`."""
     if not _direct(x):
         return layer_norm_bf16(x, weight, bias, eps)
-    if _failed is None:
-        try:
-            return _launch(x, weight, bias, eps)
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as err:  # noqa: BLE001 (any failure of Triton's: fall back, once, loudly)
-            _fail(err)
-    w = None if weight is None else weight.float()
-    b = None if bias is None else bias.float()
-    return F.layer_norm(x.float(), x.shape[-1:], w, b, eps).to(torch.bfloat16)
+    y = _guarded(x, weight, bias, eps, torch.bfloat16)
+    return y if y is not None else _reference(x, weight, bias, eps).to(torch.bfloat16)
 
 
 @layer_norm_bf16.register_fake
@@ -257,11 +263,8 @@ def float_layer_norm(x: Tensor, norm: nn.Module) -> Tensor:
     bf16 output read as it is, where autocast would cast it to float32 first). The values are
     PyTorch's but for the last bits of float32 (the statistics summed in another order).
     ``x``: ``(..., C)`` -> ``(..., C)`` float32."""
-    if _direct(x) and _failed is None and triton_norm_applies(x, norm):
-        try:
-            return _run(x, norm.weight, norm.bias, norm.eps, 0, out_dtype=torch.float32)[0]  # type: ignore[arg-type]
-        except torch.cuda.OutOfMemoryError:
-            raise
-        except Exception as err:  # noqa: BLE001 (as in eager_layer_norm_bf16)
-            _fail(err)
+    if _direct(x) and triton_norm_applies(x, norm):
+        y = _guarded(x, norm.weight, norm.bias, norm.eps, torch.float32)  # type: ignore[arg-type]
+        if y is not None:
+            return y
     return norm(x)

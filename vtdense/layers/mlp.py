@@ -13,7 +13,7 @@ from vtdense.layers.chunked import row_slices, tracing
 from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
 from vtdense.layers.cpu_linear import apply_linear, mm, mm_tn
 from vtdense.layers.cpu_linear import linear as _linear
-from vtdense.layers.fused_norm import eager_layer_norm_bf16, triton_norm_applies
+from vtdense.layers.fused_norm import norm_for_linears
 from vtdense.layers.fused_norm_train import triton_norm_linear, triton_norm_training_applies
 from vtdense.layers.plain import plain_gelu, plain_layer_norm, plain_linear
 from vtdense.layers.recompute import hooks_free, plain_storage, recomputed_input_linear
@@ -221,9 +221,7 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
         if x.requires_grad and _via_hooks(x):
             return recomputed_input_linear(F.layer_norm, (x, x.shape[-1:], norm.weight, norm.bias, norm.eps), linear)
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
-    if triton_norm_applies(x, norm) and plain_linear(linear):  # CUDA bf16 inference, when switched on
-        return apply_linear(linear, eager_layer_norm_bf16(x, norm.weight, norm.bias, norm.eps))
-    return apply_linear(linear, norm(x))
+    return apply_linear(linear, norm_for_linears(x, norm, linear))  # (CUDA bf16 inference: Triton)
 
 
 class Mlp(nn.Module):
