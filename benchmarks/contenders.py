@@ -19,7 +19,9 @@ Contender names:
   ``vtdense aten-norm`` (off: PyTorch's LayerNorm and cast everywhere; the default is ``"auto"``), ``vtdense
   fn-recompute`` (training's recomputation through the autograd functions with a Python backward, the
   CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU), ``vtdense
-  triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on);
+  triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on),
+  ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back,
+  :func:`vtdense.models.rcnn_waits.restore_torchvision_heads`: the host waits they remove, timed);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
 - ``torchvision``: ``swin_t`` / ``swin_v2_t`` feature extractors, and for the detector rows
@@ -98,7 +100,8 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
 
     family = case["family"]
     base = contender
-    for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm", " aten-norm", " fn-recompute", " triton-train"):
+    for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm", " aten-norm", " fn-recompute",
+                   " triton-train", " torchvision-heads"):
         base = base.replace(suffix, "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
@@ -108,7 +111,12 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
             cfg = {k: (dict(v) if isinstance(v, dict) else v) for k, v in cfg.items()}
             if contender.endswith("ckpt"):
                 cfg["backbone_kwargs"]["grad_checkpointing"] = True
-            return build_detector("swin_tiny", "mask_rcnn", **cfg)
+            model = build_detector("swin_tiny", "mask_rcnn", **cfg)
+            if contender.endswith(" torchvision-heads"):  # torchvision's heads' classes, as before the host-wait changes
+                from vtdense.models.rcnn_waits import restore_torchvision_heads
+
+                restore_torchvision_heads(model)
+            return model
         if base == "torchvision":
             h, w = case["size"]
             return torchvision.models.detection.maskrcnn_resnet50_fpn_v2(

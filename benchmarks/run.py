@@ -157,9 +157,9 @@ def cases() -> list[dict[str, Any]]:
         c("Mask R-CNN CPU demo train step (AdamW), batch 4 at 128x192", "maskrcnn_demo", "train", 4, (128, 192), ["vtdense"],
           device="cuda"),
         c("Mask R-CNN published heads train step (AdamW), batch 2 at 800x1333, bf16", "maskrcnn", "train", 2, (800, 1333),
-          ["vtdense", "vtdense triton-train", "vtdense fn-recompute", "vtdense unfused", "torchvision"], **g),
+          ["vtdense", "vtdense torchvision-heads", "vtdense triton-train", "vtdense unfused", "torchvision"], **g),
         c("Mask R-CNN published heads train step (AdamW), batch 2 at 800x1333, TF32", "maskrcnn", "train", 2, (800, 1333),
-          ["vtdense", "torchvision"], device="cuda"),
+          ["vtdense", "vtdense torchvision-heads", "torchvision"], device="cuda"),
         # Last, so that their compiles (a minute or more each) cannot crowd out the rows above.
         c("Swin-T train step, batch 8 at 512x768, bf16, compiled", "swin_t", "train", 8, (512, 768),
           ["vtdense compiled", "timm fused compiled"], compile_tier="full", **g),

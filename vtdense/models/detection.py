@@ -33,6 +33,7 @@ from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxP
 from vtdense.backbones.base import Backbone
 from vtdense.layers.cpu_linear import apply_linear
 from vtdense.models.mask_rois import check_mask_rois_multiple, pad_mask_rois
+from vtdense.models.rcnn_waits import reduce_host_waits
 
 __all__ = [
     "HEADS",
@@ -298,6 +299,7 @@ def _rcnn(
     # min/max size are placeholders: the transform is replaced below.
     model = cls(neck, num_classes=None, min_size=1, max_size=1, **kwargs)
     _keep_fp32(model.rpn.head, model.roi_heads.box_predictor, getattr(model.roi_heads, "mask_predictor", None))
+    reduce_host_waits(model)
     if masks:
         pad_mask_rois(model.roi_heads, opts["mask_rois_multiple"])
     return model

@@ -1,0 +1,216 @@
+"""Kernel-launching ATen calls and host waits of one Mask R-CNN training step, counted on the CPU.
+
+On a GPU the published detector's step is bound by the host (``benchmarks/RESULTS.md``: 44 ms of
+kernels in a 71 ms step, the step waiting on the device about fifty times). Two things cost host time
+there: every ATen call that launches a kernel, and every *host wait*, where the host must read a
+value the device computes before it can go on (an output whose size depends on the data, as
+``nonzero`` or ``torch.where(mask)``; ``.item()``, ``.tolist()``; ``nms``, which finishes on the host).
+A wait drains the device's queue, so the host's work after it no longer overlaps the kernels before
+it.
+
+Both are properties of the code, not of the device, so this script counts them on the CPU with real
+tensors (the heads need real values): a ``TorchDispatchMode`` sees every ATen call, by region of the
+model (backbone + FPN, RPN, RoI heads, backward, optimizer), and counts the data-dependent ones;
+``Tensor.tolist`` and ``Tensor.item`` are counted where they are called. torchvision's
+``batched_nms`` picks its implementation by device (one NMS over offset boxes up to 25,000 boxes on
+CUDA, one NMS per level above 1,000 on the CPU); the count takes the CUDA branch, so what is counted is
+what a GPU step runs. The backbone runs its CPU paths here (its GPU calls are counted by
+``launches.py``); the heads' code is the same on both devices.
+
+    python benchmarks/host_syncs.py [--size 320x480] [--write]
+
+Contenders: ``vtdense`` (the default heads), ``vtdense torchvision-heads`` (the same model with
+torchvision's own RoI pooling and proposal filtering put back) and torchvision's
+``maskrcnn_resnet50_fpn_v2``, on the published heads' sizes (``contenders.PUBLISHED_DETECTOR``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torchvision
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from launches import _NO_KERNEL  # noqa: E402
+
+__all__ = ["HostWaits", "count_step", "cuda_nms_branch", "torchvision_heads", "markdown", "main"]
+
+#: ATen ops whose output size (or value on the host) depends on the data: a host wait on a GPU
+_WAITS = frozenset({"nonzero", "_local_scalar_dense", "masked_select", "_unique2", "unique_dim",
+                    "unique_consecutive", "nms", "is_nonzero", "equal", "allclose"})
+REGIONS = ("backbone", "rpn", "roi_heads", "other forward", "backward", "optimizer")
+
+
+class HostWaits(TorchDispatchMode):
+    """Counts, per region, the ATen calls that launch a kernel and the host waits.
+
+    ``region`` is set by the caller (:func:`count_step` uses module hooks). An ``index`` or
+    ``index_put_`` with a boolean index counts as a wait (it runs ``nonzero`` inside). ``tolist`` and
+    ``item`` are counted by :meth:`host_reads`, which wraps them while the mode is active (a CPU
+    ``tolist`` reaches no ATen op)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.region = "other forward"
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.waits: collections.Counter[str] = collections.Counter()
+        self.wait_ops: collections.Counter[str] = collections.Counter()
+
+    def _wait(self, what: str) -> None:
+        self.waits[self.region] += 1
+        self.wait_ops[f"{self.region}: {what}"] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name not in _NO_KERNEL:
+            self.calls[self.region] += 1
+        if name in _WAITS:
+            self._wait(name)
+        elif name in ("index", "index_put", "index_put_"):
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
+                self._wait(f"{name} (boolean)")
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def host_reads(self) -> Iterator[None]:
+        """Counts ``Tensor.tolist`` / ``Tensor.item`` calls (the latter also reaches
+        ``_local_scalar_dense``, so only ``tolist`` is added here)."""
+        original = torch.Tensor.tolist
+        mode = self
+
+        def tolist(t: torch.Tensor) -> Any:
+            mode._wait("tolist")
+            return original(t)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.Tensor.tolist = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def cuda_nms_branch() -> Iterator[None]:
+    """torchvision's ``batched_nms`` as it runs on CUDA tensors (the coordinate trick up to
+    100,000 coordinates, one NMS per category above), whatever the device."""
+    from torchvision.ops import boxes as box_ops
+
+    original = box_ops.batched_nms
+
+    def batched_nms(boxes: torch.Tensor, scores: torch.Tensor, idxs: torch.Tensor, iou: float) -> torch.Tensor:
+        if boxes.numel() > 100_000:
+            return box_ops._batched_nms_vanilla(boxes, scores, idxs, iou)
+        return box_ops._batched_nms_coordinate_trick(boxes, scores, idxs, iou)
+
+    box_ops.batched_nms = batched_nms
+    try:
+        yield
+    finally:
+        box_ops.batched_nms = original
+
+
+def torchvision_heads(model: torch.nn.Module) -> torch.nn.Module:
+    """vtdense's detector with torchvision's own heads' classes put back (RoI pooling, matching,
+    sampling, proposal filtering): the heads before vtdense's host-wait changes."""
+    from vtdense.models.rcnn_waits import restore_torchvision_heads
+
+    return restore_torchvision_heads(model)
+
+
+def _build(contender: str, size: tuple[int, int]) -> torch.nn.Module:
+    from contenders import build_model
+
+    case = dict(family="maskrcnn", size=list(size), mode="train", batch=2)
+    model = build_model("torchvision" if contender == "torchvision" else "vtdense", case)
+    if contender == "vtdense torchvision-heads":
+        torchvision_heads(model)
+    return model
+
+
+def count_step(contender: str, size: tuple[int, int] = (320, 480), model: torch.nn.Module | None = None) -> dict[str, Any]:
+    """Counts one training step (forward, backward, AdamW) of ``contender`` at batch 2, after one
+    uncounted step. Returns ``{"calls": {region: n}, "waits": {region: n}, "wait_ops": {...}}``."""
+    from contenders import _detection_batch
+    from vtdense.tasks.optim import adamw
+
+    torch.manual_seed(0)
+    model = model if model is not None else _build(contender, size)
+    model.train()
+    case = dict(family="maskrcnn", size=list(size), mode="train", batch=2)
+    images, targets = _detection_batch(case, "cpu", 80)
+    opt = adamw([{"params": [p for p in model.parameters() if p.requires_grad]}], lr=1e-4, weight_decay=0.05)
+    mode = HostWaits()
+    regions = {"backbone": model.backbone, "rpn": model.rpn, "roi_heads": model.roi_heads}
+    handles = []
+    for name, module in regions.items():
+        def pre(m: Any, a: Any, name: str = name) -> None:
+            mode.region = name
+
+        def post(m: Any, a: Any, o: Any) -> None:
+            mode.region = "other forward"
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+
+    def step(counted: bool) -> None:
+        with (mode if counted else contextlib.nullcontext()), (mode.host_reads() if counted else contextlib.nullcontext()):
+            mode.region = "other forward"
+            losses = model(images, targets)
+            mode.region = "backward"
+            sum(losses.values()).backward()
+            mode.region = "optimizer"
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    try:
+        with cuda_nms_branch():
+            step(False)
+            step(True)
+    finally:
+        for h in handles:
+            h.remove()
+    return {"calls": {r: mode.calls[r] for r in REGIONS}, "waits": {r: mode.waits[r] for r in REGIONS},
+            "wait_ops": dict(sorted(mode.wait_ops.items()))}
+
+
+def markdown(results: dict[str, dict[str, Any]], size: tuple[int, int]) -> str:
+    """The counts as a Markdown table: one row per contender, calls / waits per region."""
+    head = "| contender | " + " | ".join(REGIONS) + " | total |"
+    lines = [f"Mask R-CNN training step (published heads, 80 classes), batch 2 at {size[0]}x{size[1]}, float32, "
+             f"torch {torch.__version__}, torchvision {torchvision.__version__}. Each cell: ATen calls that launch a "
+             "kernel / host waits.", "", head, "|" + "---|" * (len(REGIONS) + 2)]
+    for name, r in results.items():
+        cells = [f"{r['calls'][g]} / {r['waits'][g]}" for g in REGIONS]
+        total = f"{sum(r['calls'].values())} / {sum(r['waits'].values())}"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {total} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="320x480", help="HxW of both images")
+    p.add_argument("--contenders", default="vtdense,vtdense torchvision-heads,torchvision")
+    p.add_argument("--waits", action="store_true", help="also list the waits by op")
+    args = p.parse_args(argv)
+    size = tuple(int(v) for v in args.size.split("x"))
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    results = {c: count_step(c, size) for c in args.contenders.split(",")}  # type: ignore[arg-type]
+    print(markdown(results, size))  # type: ignore[arg-type]
+    if args.waits:
+        for c, r in results.items():
+            print(f"\n{c}: " + ", ".join(f"{k} x{v}" for k, v in r["wait_ops"].items()))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""torchvision's R-CNN heads with fewer host waits: the same results from the same random draws.
+
+On a GPU the host must stop and wait for the device whenever it needs a value the device computes:
+an output whose size depends on the data (``torch.where(mask)``, ``nonzero``, indexing or assigning
+through a boolean mask), ``.item()`` / ``.tolist()``, and NMS, which finishes on the host. Each wait
+drains the device's queue, so the host's work after it no longer overlaps the kernels before it.
+torchvision's Mask R-CNN waits 49 times in a training step at batch 2 (``benchmarks/host_syncs.py``
+counts them; the H200 profile saw 51 ``cudaStreamSynchronize`` per step), and the step is bound by
+the host.
+
+This module replaces the methods and helpers that wait without need. Every replacement computes
+what torchvision's computes, from the same random draws, so losses, gradients and detections are
+unchanged (the tests compare them with torchvision's on the same model):
+
+* :class:`WaitFreeMatcher`: the matcher's labels are written with ``masked_fill`` and its
+  low-quality matches with ``torch.where``, where torchvision assigns through boolean masks and finds
+  the best pairs with ``torch.where(matrix == best)``: no wait (three per image before, two in the RoI
+  heads' matcher).
+* :class:`CountingSampler`: the positive/negative sampler reads all images' counts in one transfer and
+  finds the candidates with ``nonzero_static`` of that size; the ``randperm`` draws are torchvision's,
+  in the same order. One wait per call instead of two per image; the counts it returns also let the
+  RPN loss and the RoI subsampling find their indices without a wait.
+* :class:`LowWaitRPN`: labels written with ``masked_fill`` (two waits per image before), the sampled
+  indices from the counts (two waits), and the proposals filtered for all images at once: clipping,
+  the size and score tests as one mask, compacted with one read of the counts, where torchvision
+  waits twice per image (NMS still waits once per image).
+* :class:`LowWaitRoIHeads`: labels written with ``masked_fill`` (two waits per image), the sampled
+  indices from the counts (one wait per image).
+* :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for the box and mask RoI pooling: one wait per
+  call instead of one per pyramid level.
+
+Together: 12 waits in the step that ``benchmarks/host_syncs.py`` counts, where torchvision's heads
+wait 49 times (two of the rest are torchvision's check for degenerate target boxes, two NMS).
+
+While a graph is built (``torch.compile``, ``torch.export``, ONNX, TorchScript) every method runs
+torchvision's own code. :func:`reduce_host_waits` installs these on a torchvision R-CNN in place;
+:func:`restore_torchvision_heads` puts torchvision's classes back.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, Matcher
+from torchvision.models.detection.roi_heads import RoIHeads
+from torchvision.models.detection.rpn import RegionProposalNetwork
+from torchvision.ops import MultiScaleRoIAlign
+from torchvision.ops import boxes as box_ops
+
+from vtdense.layers.tracing import tracing
+from vtdense.models.roi_pool import LevelSortedRoIAlign
+
+__all__ = [
+    "CountingSampler",
+    "LowWaitRPN",
+    "LowWaitRoIHeads",
+    "WaitFreeMatcher",
+    "reduce_host_waits",
+    "restore_torchvision_heads",
+]
+
+
+class WaitFreeMatcher(Matcher):
+    """torchvision's :class:`~torchvision.models.detection._utils.Matcher` (same thresholds and
+    labels) without a host wait. ``(M gt, N predictions)`` quality matrix -> ``(N,)`` int64 matches:
+    a gt index, ``BELOW_LOW_THRESHOLD`` (-1) or ``BETWEEN_THRESHOLDS`` (-2)."""
+
+    def __call__(self, match_quality_matrix: Tensor) -> Tensor:
+        if tracing() or match_quality_matrix.numel() == 0:  # torchvision's error messages for empty input
+            return super().__call__(match_quality_matrix)
+        matched_vals, matches = match_quality_matrix.max(dim=0)
+        all_matches = matches.clone() if self.allow_low_quality_matches else None
+        below = matched_vals < self.low_threshold
+        between = (matched_vals >= self.low_threshold) & (matched_vals < self.high_threshold)
+        matches.masked_fill_(below, self.BELOW_LOW_THRESHOLD)
+        matches.masked_fill_(between, self.BETWEEN_THRESHOLDS)
+        if all_matches is not None:
+            # Each gt's best predictions (ties included) keep their best gt, whatever its quality.
+            best = match_quality_matrix.max(dim=1).values
+            update = (match_quality_matrix == best[:, None]).any(dim=0)
+            matches = torch.where(update, all_matches, matches)
+        return matches
+
+
+class CountingSampler(BalancedPositiveNegativeSampler):
+    """torchvision's balanced positive/negative sampler (same sizes, same ``randperm`` draws in the
+    same order) with one host wait per call; :meth:`sample` also returns the counts it drew."""
+
+    def sample(self, matched_idxs: list[Tensor]) -> tuple[list[Tensor], list[Tensor], list[int], list[int]]:
+        """``matched_idxs``: one ``(N_i,)`` tensor per image (-1 ignored, 0 negative, > 0 positive).
+
+        Returns:
+            ``(pos_masks, neg_masks, num_pos, num_neg)``: per image, ``(N_i,)`` uint8 masks of the
+            sampled positives and negatives, and how many of each were sampled.
+        """
+        if not matched_idxs:
+            return [], [], [], []
+        positive = [m >= 1 for m in matched_idxs]
+        negative = [m == 0 for m in matched_idxs]
+        counts = torch.stack([mask.sum() for pair in zip(positive, negative) for mask in pair]).tolist()
+        pos_masks, neg_masks, num_pos, num_neg = [], [], [], []
+        for i, m in enumerate(matched_idxs):
+            n_positive, n_negative = counts[2 * i], counts[2 * i + 1]
+            pos_idx = torch.nonzero_static(positive[i], size=n_positive)[:, 0]
+            neg_idx = torch.nonzero_static(negative[i], size=n_negative)[:, 0]
+            n_pos = min(n_positive, int(self.batch_size_per_image * self.positive_fraction))
+            n_neg = min(n_negative, self.batch_size_per_image - n_pos)
+            perm1 = torch.randperm(n_positive, device=m.device)[:n_pos]
+            perm2 = torch.randperm(n_negative, device=m.device)[:n_neg]
+            pos_mask = torch.zeros_like(m, dtype=torch.uint8)
+            neg_mask = torch.zeros_like(m, dtype=torch.uint8)
+            pos_mask[pos_idx[perm1]] = 1
+            neg_mask[neg_idx[perm2]] = 1
+            pos_masks.append(pos_mask)
+            neg_masks.append(neg_mask)
+            num_pos.append(n_pos)
+            num_neg.append(n_neg)
+        return pos_masks, neg_masks, num_pos, num_neg
+
+    def __call__(self, matched_idxs: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        if tracing():
+            return super().__call__(matched_idxs)
+        pos_masks, neg_masks, _, _ = self.sample(matched_idxs)
+        return pos_masks, neg_masks
+
+
+def _nonzero(mask: Tensor, count: int) -> Tensor:
+    """``torch.where(mask)[0]`` for a 1-D mask with ``count`` non-zeros known on the host."""
+    return torch.nonzero_static(mask, size=count)[:, 0]
+
+
+def _label_targets(labels: Tensor, matched_idxs: Tensor, matcher: Matcher) -> Tensor:
+    """Background (below the low threshold) to 0, between the thresholds to -1, in place."""
+    labels.masked_fill_(matched_idxs == matcher.BELOW_LOW_THRESHOLD, 0)
+    return labels.masked_fill_(matched_idxs == matcher.BETWEEN_THRESHOLDS, -1)
+
+
+def _counting(sampler: object) -> bool:
+    return isinstance(sampler, CountingSampler) and not tracing()
+
+
+class LowWaitRPN(RegionProposalNetwork):
+    """torchvision's :class:`~torchvision.models.detection.rpn.RegionProposalNetwork` (same
+    arguments, submodules and state-dict keys) with fewer host waits: see the module docstring."""
+
+    def assign_targets_to_anchors(self, anchors: list[Tensor], targets: list[dict[str, Tensor]]) -> tuple[list[Tensor], list[Tensor]]:
+        if tracing():
+            return super().assign_targets_to_anchors(anchors, targets)
+        labels, matched_gt_boxes = [], []
+        for anchors_per_image, targets_per_image in zip(anchors, targets):
+            gt_boxes = targets_per_image["boxes"]
+            if gt_boxes.numel() == 0:  # a background image
+                matched_gt_boxes.append(torch.zeros(anchors_per_image.shape, dtype=torch.float32, device=anchors_per_image.device))
+                labels.append(torch.zeros((anchors_per_image.shape[0],), dtype=torch.float32, device=anchors_per_image.device))
+                continue
+            matched_idxs = self.proposal_matcher(self.box_similarity(gt_boxes, anchors_per_image))
+            matched_gt_boxes.append(gt_boxes[matched_idxs.clamp(min=0)])
+            labels.append(_label_targets((matched_idxs >= 0).to(torch.float32), matched_idxs, self.proposal_matcher))
+        return labels, matched_gt_boxes
+
+    def compute_loss(self, objectness: Tensor, pred_bbox_deltas: Tensor, labels: list[Tensor],
+                     regression_targets: list[Tensor]) -> tuple[Tensor, Tensor]:
+        if not _counting(self.fg_bg_sampler):
+            return super().compute_loss(objectness, pred_bbox_deltas, labels, regression_targets)
+        pos_masks, neg_masks, num_pos, num_neg = self.fg_bg_sampler.sample(labels)
+        pos_inds = _nonzero(torch.cat(pos_masks), sum(num_pos))
+        neg_inds = _nonzero(torch.cat(neg_masks), sum(num_neg))
+        sampled = torch.cat([pos_inds, neg_inds])
+        labels_all = torch.cat(labels)
+        targets_all = torch.cat(regression_targets)
+        box_loss = torch.nn.functional.smooth_l1_loss(
+            pred_bbox_deltas[pos_inds], targets_all[pos_inds], beta=1 / 9, reduction="sum") / sampled.numel()
+        objectness_loss = torch.nn.functional.binary_cross_entropy_with_logits(objectness.flatten()[sampled], labels_all[sampled])
+        return objectness_loss, box_loss
+
+    def filter_proposals(self, proposals: Tensor, objectness: Tensor, image_shapes: list[tuple[int, int]],
+                         num_anchors_per_level: list[int]) -> tuple[list[Tensor], list[Tensor]]:
+        """``proposals (B, A, 4)``, ``objectness (B*A, 1)`` -> per image up to ``post_nms_top_n``
+        boxes ``(K_i, 4)`` and their probabilities ``(K_i,)``, as torchvision's."""
+        if tracing():
+            return super().filter_proposals(proposals, objectness, image_shapes, num_anchors_per_level)
+        num_images = proposals.shape[0]
+        objectness = objectness.detach().reshape(num_images, -1)
+        top_n_idx = self._get_top_n_idx(objectness, num_anchors_per_level)
+        scores = objectness.gather(1, top_n_idx).sigmoid()
+        boxes = proposals.gather(1, top_n_idx.unsqueeze(-1).expand(-1, -1, 4))
+        taken = [min(self.pre_nms_top_n(), n) for n in num_anchors_per_level]  # what _get_top_n_idx took per level
+        levels = torch.cat([torch.full((k,), i, dtype=torch.int64, device=boxes.device) for i, k in enumerate(taken)])
+        for i, (height, width) in enumerate(image_shapes):  # as box_ops.clip_boxes_to_image
+            boxes[i, :, 0::2].clamp_(min=0, max=width)
+            boxes[i, :, 1::2].clamp_(min=0, max=height)
+        widths, heights = boxes[..., 2] - boxes[..., 0], boxes[..., 3] - boxes[..., 1]
+        keep = (widths >= self.min_size) & (heights >= self.min_size) & (scores >= self.score_thresh)
+        # The kept boxes of each image first, in their order: then one read of the counts.
+        order = torch.argsort(keep.logical_not().to(torch.uint8), dim=1, stable=True)
+        counts = keep.sum(dim=1).tolist()
+        final_boxes, final_scores = [], []
+        for i, count in enumerate(counts):
+            idx = order[i, :count]
+            b, s, lvl = boxes[i, idx], scores[i, idx], levels[idx]
+            kept = box_ops.batched_nms(b, s, lvl, self.nms_thresh)[: self.post_nms_top_n()]
+            final_boxes.append(b[kept])
+            final_scores.append(s[kept])
+        return final_boxes, final_scores
+
+
+class LowWaitRoIHeads(RoIHeads):
+    """torchvision's :class:`~torchvision.models.detection.roi_heads.RoIHeads` (same arguments,
+    submodules and state-dict keys) with fewer host waits in training: see the module docstring."""
+
+    def assign_targets_to_proposals(self, proposals: list[Tensor], gt_boxes: list[Tensor],
+                                    gt_labels: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        if tracing():
+            return super().assign_targets_to_proposals(proposals, gt_boxes, gt_labels)
+        matched, labels = [], []
+        for props, boxes, classes in zip(proposals, gt_boxes, gt_labels):
+            if boxes.numel() == 0:  # a background image
+                matched.append(torch.zeros((props.shape[0],), dtype=torch.int64, device=props.device))
+                labels.append(torch.zeros((props.shape[0],), dtype=torch.int64, device=props.device))
+                continue
+            matched_idxs = self.proposal_matcher(box_ops.box_iou(boxes, props))
+            clamped = matched_idxs.clamp(min=0)
+            matched.append(clamped)
+            labels.append(_label_targets(classes[clamped].to(torch.int64), matched_idxs, self.proposal_matcher))
+        return matched, labels
+
+    def subsample(self, labels: list[Tensor]) -> list[Tensor]:
+        if not _counting(self.fg_bg_sampler):
+            return super().subsample(labels)
+        pos_masks, neg_masks, num_pos, num_neg = self.fg_bg_sampler.sample(labels)
+        return [_nonzero(p | n, a + b) for p, n, a, b in zip(pos_masks, neg_masks, num_pos, num_neg)]
+
+
+_SWAPS: tuple[tuple[type, type], ...] = (
+    (RegionProposalNetwork, LowWaitRPN),
+    (RoIHeads, LowWaitRoIHeads),
+    (Matcher, WaitFreeMatcher),
+    (BalancedPositiveNegativeSampler, CountingSampler),
+    (MultiScaleRoIAlign, LevelSortedRoIAlign),
+)
+
+
+def _objects(model: nn.Module) -> list[object]:
+    found: list[object] = []
+    for part in (getattr(model, "rpn", None), getattr(model, "roi_heads", None)):
+        if part is not None:
+            found += [getattr(part, name, None) for name in ("proposal_matcher", "fg_bg_sampler", "box_roi_pool", "mask_roi_pool")]
+            found.append(part)
+    return [o for o in found if o is not None]
+
+
+def reduce_host_waits(model: nn.Module) -> nn.Module:
+    """Gives a torchvision Faster / Mask R-CNN (``model.rpn``, ``model.roi_heads``) the classes of
+    this module, and :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for its RoI pooling, in place: only objects whose class is exactly torchvision's are changed (none of
+    these classes adds state), so a user's own subclass is left alone. Returns ``model``."""
+    for obj in _objects(model):
+        for base, ours in _SWAPS:
+            if type(obj) is base:
+                obj.__class__ = ours
+    return model
+
+
+def restore_torchvision_heads(model: nn.Module) -> nn.Module:
+    """Undoes :func:`reduce_host_waits`: torchvision's own classes, for comparison or debugging."""
+    for obj in _objects(model):
+        for base, ours in _SWAPS:
+            if type(obj) is ours:
+                obj.__class__ = base
+    return model
