@@ -4,14 +4,17 @@ On a GPU the published detector's step is bound by the host (``benchmarks/RESULT
 kernels in a 71 ms step, the step waiting on the device about fifty times). Two things cost host time
 there: every ATen call that launches a kernel, and every *host wait*, where the host must read a
 value the device computes before it can go on (an output whose size depends on the data, as
-``nonzero`` or ``torch.where(mask)``; ``.item()``, ``.tolist()``; ``nms``, which finishes on the host).
-A wait drains the device's queue, so the host's work after it no longer overlaps the kernels before
-it.
+``nonzero`` or ``torch.where(mask)``; ``.item()``, ``.tolist()``; ``nms``, which finishes on the host;
+a blocking copy from host memory to the device). A wait drains the device's queue, so the host's
+work after it no longer overlaps the kernels before it.
 
 Both are properties of the code, not of the device, so this script counts them on the CPU with real
 tensors (the heads need real values): a ``TorchDispatchMode`` sees every ATen call, by region of the
 model (backbone + FPN, RPN, RoI heads, backward, optimizer), and counts the data-dependent ones;
-``Tensor.tolist`` and ``Tensor.item`` are counted where they are called. torchvision's
+``Tensor.tolist`` and ``Tensor.item`` are counted where they are called. Not seen: blocking
+host-to-device copies, which on the CPU are no copy at all (torchvision's box coder made one per
+``encode``, its CUDA ``batched_nms`` one per call; vtdense's heads make neither), and waits inside a
+CUDA kernel's own code (``bincount``, which vtdense's RoI pooling does not use). torchvision's
 ``batched_nms`` picks its implementation by device (one NMS over offset boxes up to 25,000 boxes on
 CUDA, one NMS per level above 1,000 on the CPU); the count takes the CUDA branch, so what is counted is
 what a GPU step runs. The backbone runs its CPU paths here (its GPU calls are counted by

@@ -171,3 +171,34 @@ def test_published_step_waits_a_quarter_as_often() -> None:
     assert ours["waits"]["rpn"] <= 4 and ours["waits"]["roi_heads"] <= 6
     for region in ("rpn", "roi_heads"):
         assert ours["calls"][region] < theirs["calls"][region], region
+
+
+def test_offset_nms_keeps_what_torchvisions_coordinate_trick_keeps() -> None:
+    from torchvision.ops import boxes as box_ops
+
+    from vtdense.models.rcnn_waits import _offset_nms
+
+    g = torch.Generator().manual_seed(4)
+    xy = torch.rand(3000, 2, generator=g) * 300
+    boxes = torch.cat([xy, xy + torch.rand(3000, 2, generator=g) * 80 + 1], 1)
+    scores = torch.rand(3000, generator=g)
+    levels = torch.randint(0, 5, (3000,), generator=g)
+    kept = _offset_nms(boxes, scores, levels, 0.7)
+    assert torch.equal(kept, box_ops._batched_nms_coordinate_trick(boxes, scores, levels, 0.7))
+    assert 0 < len(kept) < 3000
+    assert _offset_nms(boxes[:0], scores[:0], levels[:0], 0.7).shape == (0,)
+
+
+def test_box_coder_keeps_one_weights_tensor_and_encodes_as_torchvision() -> None:
+    from torchvision.models.detection._utils import BoxCoder
+
+    from vtdense.models.rcnn_waits import CachedWeightsBoxCoder
+
+    g = torch.Generator().manual_seed(6)
+    gt = torch.rand(50, 4, generator=g).cumsum(1) * 40
+    props = torch.rand(50, 4, generator=g).cumsum(1) * 40
+    ours, theirs = CachedWeightsBoxCoder((10.0, 10.0, 5.0, 5.0)), BoxCoder((10.0, 10.0, 5.0, 5.0))
+    assert torch.equal(ours.encode([gt], [props])[0], theirs.encode([gt], [props])[0])
+    weights = ours._weights[(torch.float32, gt.device, False)]
+    ours.encode([gt[:3]], [props[:3]])
+    assert ours._weights[(torch.float32, gt.device, False)] is weights and len(ours._weights) == 1

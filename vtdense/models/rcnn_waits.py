@@ -28,9 +28,14 @@ unchanged (the tests compare them with torchvision's on the same model):
   indices from the counts (one wait per image).
 * :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for the box and mask RoI pooling: one wait per
   call instead of one per pyramid level.
+* :class:`CachedWeightsBoxCoder`: the box coder's weights made a tensor once per device, where
+  torchvision copies them to the device in every ``encode`` (a blocking copy: a wait), and the RPN's
+  per-level NMS offsets computed on the device (torchvision copies a ``1`` to it per image).
 
 Together: 12 waits in the step that ``benchmarks/host_syncs.py`` counts, where torchvision's heads
-wait 49 times (two of the rest are torchvision's check for degenerate target boxes, two NMS).
+wait 49 times (two of the rest are torchvision's check for degenerate target boxes, two NMS); the
+count sees data-dependent ops and host reads, not blocking host-to-device copies, of which four per
+step are gone too (the box coder's two, the NMS offsets' two).
 
 While a graph is built (``torch.compile``, ``torch.export``, ONNX, TorchScript) every method runs
 torchvision's own code. :func:`reduce_host_waits` installs these on a torchvision R-CNN in place;
@@ -41,16 +46,17 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
-from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, Matcher
+from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, BoxCoder, Matcher, encode_boxes
 from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 
-from vtdense.layers.tracing import tracing
+from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.models.roi_pool import LevelSortedRoIAlign
 
 __all__ = [
+    "CachedWeightsBoxCoder",
     "CountingSampler",
     "LowWaitRPN",
     "LowWaitRoIHeads",
@@ -122,6 +128,41 @@ class CountingSampler(BalancedPositiveNegativeSampler):
             return super().__call__(matched_idxs)
         pos_masks, neg_masks, _, _ = self.sample(matched_idxs)
         return pos_masks, neg_masks
+
+
+class CachedWeightsBoxCoder(BoxCoder):
+    """torchvision's :class:`~torchvision.models.detection._utils.BoxCoder` that keeps its four
+    weights as a tensor per dtype and device: torchvision makes that tensor from the Python tuple in
+    every ``encode``, a blocking host-to-device copy (the host waits for the device) on a GPU, once in
+    the RPN and once in the RoI heads per training step. ``(N, 4)`` gt boxes and proposals ->
+    ``(N, 4)`` regression targets, the same values."""
+
+    def encode_single(self, reference_boxes: Tensor, proposals: Tensor) -> Tensor:
+        device, dtype = reference_boxes.device, reference_boxes.dtype
+        if fresh_tables(device):
+            return super().encode_single(reference_boxes, proposals)
+        cache = self.__dict__.setdefault("_weights", {})
+        key = (dtype, device, torch.is_inference_mode_enabled())
+        if key not in cache:
+            cache[key] = torch.as_tensor(self.weights, dtype=dtype, device=device)
+        return encode_boxes(reference_boxes, proposals, cache[key])
+
+
+def _batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float) -> Tensor:
+    """``torchvision.ops.batched_nms``, the same kept indices, without the blocking host-to-device
+    copy (``torch.tensor(1).to(boxes)``) of its CUDA branch; the NMS itself still waits once."""
+    if boxes.device.type != "cuda" or boxes.numel() > 100_000:  # torchvision's own choice of method there
+        return box_ops.batched_nms(boxes, scores, idxs, iou_threshold)
+    return _offset_nms(boxes, scores, idxs, iou_threshold)
+
+
+def _offset_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float) -> Tensor:
+    """torchvision's coordinate trick (each category's boxes shifted past the largest coordinate,
+    then one NMS), the same arithmetic, with the ``+ 1`` added on the device."""
+    if boxes.numel() == 0:
+        return torch.empty((0,), dtype=torch.int64, device=boxes.device)
+    offsets = idxs.to(boxes) * (boxes.max() + 1)
+    return box_ops.nms(boxes + offsets[:, None], scores, iou_threshold)
 
 
 def _nonzero(mask: Tensor, count: int) -> Tensor:
@@ -198,7 +239,7 @@ class LowWaitRPN(RegionProposalNetwork):
         for i, count in enumerate(counts):
             idx = order[i, :count]
             b, s, lvl = boxes[i, idx], scores[i, idx], levels[idx]
-            kept = box_ops.batched_nms(b, s, lvl, self.nms_thresh)[: self.post_nms_top_n()]
+            kept = _batched_nms(b, s, lvl, self.nms_thresh)[: self.post_nms_top_n()]
             final_boxes.append(b[kept])
             final_scores.append(s[kept])
         return final_boxes, final_scores
@@ -237,6 +278,7 @@ _SWAPS: tuple[tuple[type, type], ...] = (
     (Matcher, WaitFreeMatcher),
     (BalancedPositiveNegativeSampler, CountingSampler),
     (MultiScaleRoIAlign, LevelSortedRoIAlign),
+    (BoxCoder, CachedWeightsBoxCoder),
 )
 
 
@@ -244,7 +286,7 @@ def _objects(model: nn.Module) -> list[object]:
     found: list[object] = []
     for part in (getattr(model, "rpn", None), getattr(model, "roi_heads", None)):
         if part is not None:
-            found += [getattr(part, name, None) for name in ("proposal_matcher", "fg_bg_sampler", "box_roi_pool", "mask_roi_pool")]
+            found += [getattr(part, name, None) for name in ("proposal_matcher", "fg_bg_sampler", "box_coder", "box_roi_pool", "mask_roi_pool")]
             found.append(part)
     return [o for o in found if o is not None]
 

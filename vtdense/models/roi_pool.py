@@ -46,8 +46,10 @@ class LevelSortedRoIAlign(MultiScaleRoIAlign):
         rois = _convert_to_roi_format(boxes)
         levels = self.map_levels(boxes)
         order = torch.argsort(levels, stable=True)
-        # The one wait on the device: how many RoIs each level pools.
-        counts = torch.bincount(levels, minlength=len(maps)).tolist()
+        # The one wait on the device: how many RoIs each level pools (not ``bincount``, which reads
+        # the input's minimum and maximum on the host first on CUDA).
+        ids = torch.arange(len(maps), device=levels.device)
+        counts = (levels.unsqueeze(0) == ids.unsqueeze(1)).sum(dim=1).tolist()
         rois = rois[order]
         first = maps[0]
         pooled, start = [], 0
