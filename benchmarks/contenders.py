@@ -20,8 +20,8 @@ Contender names:
   fn-recompute`` (training's recomputation through the autograd functions with a Python backward, the
   CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU), ``vtdense
   triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on),
-  ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back,
-  :func:`vtdense.models.rcnn_waits.restore_torchvision_heads`: the host waits they remove, timed);
+  ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back and
+  no anchors kept across steps, ``host_syncs.torchvision_heads``: what the host-wait changes save, timed);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
 - ``torchvision``: ``swin_t`` / ``swin_v2_t`` feature extractors, and for the detector rows
@@ -112,10 +112,10 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
             if contender.endswith("ckpt"):
                 cfg["backbone_kwargs"]["grad_checkpointing"] = True
             model = build_detector("swin_tiny", "mask_rcnn", **cfg)
-            if contender.endswith(" torchvision-heads"):  # torchvision's heads' classes, as before the host-wait changes
-                from vtdense.models.rcnn_waits import restore_torchvision_heads
+            if contender.endswith(" torchvision-heads"):  # the heads as before the host-wait changes
+                from host_syncs import torchvision_heads
 
-                restore_torchvision_heads(model)
+                torchvision_heads(model)
             return model
         if base == "torchvision":
             h, w = case["size"]

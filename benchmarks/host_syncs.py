@@ -125,9 +125,11 @@ def cuda_nms_branch() -> Iterator[None]:
 
 def torchvision_heads(model: torch.nn.Module) -> torch.nn.Module:
     """vtdense's detector with torchvision's own heads' classes put back (RoI pooling, matching,
-    sampling, proposal filtering): the heads before vtdense's host-wait changes."""
+    sampling, proposal filtering) and no anchors kept across steps: the heads before vtdense's
+    host-wait changes."""
     from vtdense.models.rcnn_waits import restore_torchvision_heads
 
+    model.rpn.anchor_generator.cache_size = 0
     return restore_torchvision_heads(model)
 
 
@@ -135,10 +137,7 @@ def _build(contender: str, size: tuple[int, int]) -> torch.nn.Module:
     from contenders import build_model
 
     case = dict(family="maskrcnn", size=list(size), mode="train", batch=2)
-    model = build_model("torchvision" if contender == "torchvision" else "vtdense", case)
-    if contender == "vtdense torchvision-heads":
-        torchvision_heads(model)
-    return model
+    return build_model(contender, case)  # "vtdense torchvision-heads" calls torchvision_heads
 
 
 def count_step(contender: str, size: tuple[int, int] = (320, 480), model: torch.nn.Module | None = None) -> dict[str, Any]:

@@ -202,3 +202,31 @@ def test_box_coder_keeps_one_weights_tensor_and_encodes_as_torchvision() -> None
     weights = ours._weights[(torch.float32, gt.device, False)]
     ours.encode([gt[:3]], [props[:3]])
     assert ours._weights[(torch.float32, gt.device, False)] is weights and len(ours._weights) == 1
+
+
+def test_anchor_generator_keeps_its_last_sizes_and_builds_torchvisions_anchors() -> None:
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from torchvision.models.detection.image_list import ImageList
+
+    from tests.op_calls import OpCalls
+    from vtdense.models.detection import Float32AnchorGenerator
+
+    sizes, ratios = ((32,), (64,), (128,)), ((0.5, 1.0, 2.0),) * 3
+    ours, theirs = Float32AnchorGenerator(sizes, ratios), AnchorGenerator(sizes, ratios)
+    ours.cache_size = 2
+
+    def call(gen: torch.nn.Module, h: int, w: int) -> list[torch.Tensor]:
+        images = ImageList(torch.zeros(2, 3, h, w), [(h, w), (h - 8, w)])
+        maps = [torch.zeros(2, 4, h // s, w // s) for s in (8, 16, 32)]
+        return gen(images, maps)
+
+    first = call(ours, 64, 96)
+    assert len(first) == 2 and all(torch.equal(a, b) for a, b in zip(first, call(theirs, 64, 96)))
+    with OpCalls(torch.ops.aten.arange, torch.ops.aten.cat) as calls:
+        again = call(ours, 64, 96)
+    assert calls.count == 0 and again[0] is first[0]  # kept: no kernel at all
+    call(ours, 96, 96), call(ours, 128, 96)  # two more sizes push the first out (cache_size 2)
+    assert call(ours, 64, 96)[0] is not first[0] and len(ours._anchors) == 2
+    with torch.inference_mode():  # inference tensors are kept apart from the others
+        inferred = call(ours, 64, 96)[0]
+    assert inferred.is_inference() and not call(ours, 64, 96)[0].is_inference()

@@ -32,6 +32,7 @@ from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxP
 
 from vtdense.backbones.base import Backbone
 from vtdense.layers.cpu_linear import apply_linear
+from vtdense.layers.tracing import fresh_tables
 from vtdense.models.mask_rois import check_mask_rois_multiple, pad_mask_rois
 from vtdense.models.rcnn_waits import reduce_host_waits
 
@@ -215,17 +216,40 @@ def _keep_fp32(*modules: nn.Module | None) -> None:
 
 
 class Float32AnchorGenerator(AnchorGenerator):
-    """torchvision's ``AnchorGenerator`` that always builds float32 anchors.
+    """torchvision's ``AnchorGenerator`` that always builds float32 anchors, and keeps the anchors of
+    its last few sizes.
 
     torchvision takes the anchors' dtype from the feature maps, so under bf16 autocast the anchors
     (and every box decoded from them) would be bfloat16: 8 bits of mantissa, a box edge near 800 px
     off by up to 4 px. Only the maps' sizes and device are used, so empty float32 stand-ins replace them.
+
+    The anchors depend only on the padded batch size and the maps' sizes, and torchvision builds them
+    again in every forward (about ten small kernels per pyramid level, plus one concatenation per
+    image). The last :attr:`cache_size` results are kept, keyed by those sizes, the device and
+    whether inference mode is on; every image of a batch gets the same tensor, which the heads only
+    read. Nothing is kept while a graph is built or a CUDA graph records.
     """
+
+    #: how many sizes' anchors are kept (about 4 MB each for an 800x1333 batch on P2-P6)
+    cache_size: int = 8
 
     def forward(self, image_list: Any, feature_maps: list[Tensor]) -> list[Tensor]:
         """Anchors per image, ``[sum_l(A * H_l * W_l), 4]`` float32 XYXY in input-image coordinates."""
+        device = feature_maps[0].device
+        key = (tuple(image_list.tensors.shape[-2:]), tuple(tuple(f.shape[-2:]) for f in feature_maps), device,
+               torch.is_inference_mode_enabled())
+        cache: OrderedDict = self.__dict__.setdefault("_anchors", OrderedDict())
+        cached = not fresh_tables(device)
+        if cached and key in cache:
+            cache.move_to_end(key)
+            return [cache[key]] * len(image_list.image_sizes)
         shapes = [f.new_empty((0, 0, *f.shape[-2:]), dtype=torch.float32) for f in feature_maps]
-        return super().forward(image_list, shapes)
+        anchors = super().forward(image_list, shapes)
+        if cached and anchors:
+            cache[key] = anchors[0]
+            while len(cache) > self.cache_size:
+                cache.popitem(last=False)
+        return anchors
 
 
 def _anchor_sizes(
