@@ -24,6 +24,9 @@ def test_gpu_check_runs_on_the_cpu_and_reports_parity_and_no_recompilation(tmp_p
     for path in ("sdpa", "flex"):
         assert paths[f"{path} fp32 max abs diff"] < 1e-5
         assert 0 < paths[f"{path} bf16 max rel err"] < 5e-2  # bf16 really ran, and stays close
+        # float32 against the float64 model: a few ulps of outputs of magnitude ~5, for every path
+        assert 0 < paths[f"{path} fp32 max abs err vs fp64"] < 1e-5
+    assert 1 < paths["output max abs"] < 100 and 0 < paths["math fp32 max abs err vs fp64"] < 1e-5
     assert paths["sdpa fp32 grad max abs diff"] < 1e-5
     assert len(comp["seconds per call"]) == 7
     assert comp["graphs/frames after two sizes"][0] == 1 and not comp["recompiled"]  # one graph, never rebuilt
