@@ -125,11 +125,16 @@ def cuda_nms_branch() -> Iterator[None]:
 
 def torchvision_heads(model: torch.nn.Module) -> torch.nn.Module:
     """vtdense's detector with torchvision's own heads' classes put back (RoI pooling, matching,
-    sampling, proposal filtering) and no anchors kept across steps: the heads before vtdense's
-    host-wait changes."""
+    sampling, proposal filtering), torchvision's post-processing (mask pasting) and no anchors kept
+    across steps: the heads before vtdense's host-wait changes."""
+    import types
+
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
     from vtdense.models.rcnn_waits import restore_torchvision_heads
 
     model.rpn.anchor_generator.cache_size = 0
+    model.transform.postprocess = types.MethodType(GeneralizedRCNNTransform.postprocess, model.transform)
     return restore_torchvision_heads(model)
 
 
@@ -140,8 +145,10 @@ def _build(contender: str, size: tuple[int, int]) -> torch.nn.Module:
     return build_model(contender, case)  # "vtdense torchvision-heads" calls torchvision_heads
 
 
-def count_step(contender: str, size: tuple[int, int] = (320, 480), model: torch.nn.Module | None = None) -> dict[str, Any]:
-    """Counts one training step (forward, backward, AdamW) of ``contender`` at batch 2, after one
+def count_step(contender: str, size: tuple[int, int] = (320, 480), model: torch.nn.Module | None = None,
+               train: bool = True) -> dict[str, Any]:
+    """Counts one training step (forward, backward, AdamW) of ``contender`` at batch 2, or with
+    ``train=False`` one prediction (every detection kept: 100 per image, masks pasted), after one
     uncounted step. Returns ``{"calls": {region: n}, "waits": {region: n}, "wait_ops": {...}}``."""
     from contenders import _detection_batch
     from vtdense.tasks.optim import adamw
@@ -164,9 +171,17 @@ def count_step(contender: str, size: tuple[int, int] = (320, 480), model: torch.
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
+    if not train:
+        model.eval()
+        model.roi_heads.score_thresh = 0.0  # random weights: keep every detection, as a trained model would keep its 100
+
     def step(counted: bool) -> None:
         with (mode if counted else contextlib.nullcontext()), (mode.host_reads() if counted else contextlib.nullcontext()):
             mode.region = "other forward"
+            if not train:
+                with torch.no_grad():
+                    model(images)
+                return
             losses = model(images, targets)
             mode.region = "backward"
             sum(losses.values()).backward()
@@ -185,10 +200,11 @@ def count_step(contender: str, size: tuple[int, int] = (320, 480), model: torch.
             "wait_ops": dict(sorted(mode.wait_ops.items()))}
 
 
-def markdown(results: dict[str, dict[str, Any]], size: tuple[int, int]) -> str:
+def markdown(results: dict[str, dict[str, Any]], size: tuple[int, int], train: bool = True) -> str:
     """The counts as a Markdown table: one row per contender, calls / waits per region."""
     head = "| contender | " + " | ".join(REGIONS) + " | total |"
-    lines = [f"Mask R-CNN training step (published heads, 80 classes), batch 2 at {size[0]}x{size[1]}, float32, "
+    what = "training step" if train else "prediction (100 detections per image, masks pasted)"
+    lines = [f"Mask R-CNN {what} (published heads, 80 classes), batch 2 at {size[0]}x{size[1]}, float32, "
              f"torch {torch.__version__}, torchvision {torchvision.__version__}. Each cell: ATen calls that launch a "
              "kernel / host waits.", "", head, "|" + "---|" * (len(REGIONS) + 2)]
     for name, r in results.items():
@@ -203,11 +219,12 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     p.add_argument("--size", default="320x480", help="HxW of both images")
     p.add_argument("--contenders", default="vtdense,vtdense torchvision-heads,torchvision")
     p.add_argument("--waits", action="store_true", help="also list the waits by op")
+    p.add_argument("--predict", action="store_true", help="count a prediction instead of a training step")
     args = p.parse_args(argv)
     size = tuple(int(v) for v in args.size.split("x"))
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    results = {c: count_step(c, size) for c in args.contenders.split(",")}  # type: ignore[arg-type]
-    print(markdown(results, size))  # type: ignore[arg-type]
+    results = {c: count_step(c, size, train=not args.predict) for c in args.contenders.split(",")}  # type: ignore[arg-type]
+    print(markdown(results, size, train=not args.predict))  # type: ignore[arg-type]
     if args.waits:
         for c, r in results.items():
             print(f"\n{c}: " + ", ".join(f"{k} x{v}" for k, v in r["wait_ops"].items()))

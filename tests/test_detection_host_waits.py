@@ -230,3 +230,39 @@ def test_anchor_generator_keeps_its_last_sizes_and_builds_torchvisions_anchors()
     with torch.inference_mode():  # inference tensors are kept apart from the others
         inferred = call(ours, 64, 96)[0]
     assert inferred.is_inference() and not call(ours, 64, 96)[0].is_inference()
+
+
+def test_paste_masks_gives_torchvisions_values() -> None:
+    from torchvision.models.detection.roi_heads import paste_masks_in_image
+
+    from vtdense.models.paste_masks import paste_masks
+
+    g = torch.Generator().manual_seed(7)
+    n, h, w = 40, 90, 130
+    xy = torch.rand(n, 2, generator=g) * torch.tensor([w, h]) - 5
+    boxes = torch.cat([xy, xy + torch.rand(n, 2, generator=g) * 70], 1)
+    boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w)  # detections are clipped to the image, as the heads clip them
+    boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h)
+    boxes[0] = torch.tensor([0.0, 0.0, w, h])  # the whole image
+    boxes[1] = torch.tensor([3.0, 4.0, 3.0, 4.0])  # a point
+    masks = torch.rand(n, 1, 28, 28, generator=g)
+    ours = paste_masks(masks, boxes, (h, w))
+    assert torch.equal(ours, paste_masks_in_image(masks, boxes, (h, w)))
+    assert ours.shape == (n, 1, h, w) and (ours[0] > 0).float().mean() > 0.9
+    assert paste_masks(masks[:0], boxes[:0], (h, w)).shape == (0, 1, h, w)
+
+
+def test_mask_rcnn_predictions_with_the_pasting_equal_torchvisions_postprocess() -> None:
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    ours, _ = _pair()
+    images, _ = toy_batch(with_masks=True)
+    ours.eval()
+    ours.roi_heads.score_thresh = 0.0
+    with torch.no_grad():
+        a = ours(images)
+        ours.transform.postprocess = lambda *args: GeneralizedRCNNTransform.postprocess(ours.transform, *args)
+        b = ours(images)
+    assert sum(len(d["masks"]) for d in a) > 10
+    for da, db in zip(a, b):
+        assert da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da)

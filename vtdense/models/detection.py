@@ -32,8 +32,9 @@ from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxP
 
 from vtdense.backbones.base import Backbone
 from vtdense.layers.cpu_linear import apply_linear
-from vtdense.layers.tracing import fresh_tables
+from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.models.mask_rois import check_mask_rois_multiple, pad_mask_rois
+from vtdense.models.paste_masks import paste_masks
 from vtdense.models.rcnn_waits import reduce_host_waits
 
 __all__ = [
@@ -84,6 +85,25 @@ class NoResizeTransform(GeneralizedRCNNTransform):
     ) -> tuple[Tensor, dict[str, Tensor] | None]:
         """Identity: images arrive already resized."""
         return image, target
+
+    def postprocess(
+        self, result: list[dict[str, Tensor]], image_shapes: list[tuple[int, int]],
+        original_image_sizes: list[tuple[int, int]],
+    ) -> list[dict[str, Tensor]]:
+        """Detections in the coordinates of the images given, masks pasted into them.
+
+        The images were not resized, so the boxes stay as they are, where torchvision multiplies
+        them by ratios of 1 (made from Python numbers copied to the device: waits on a GPU), and
+        the masks are pasted by :func:`vtdense.models.paste_masks.paste_masks` (the same values
+        as torchvision's, with one wait per image instead of about a dozen per detection)."""
+        if self.training or tracing() or any(tuple(a) != tuple(b) for a, b in zip(image_shapes, original_image_sizes)):
+            return super().postprocess(result, image_shapes, original_image_sizes)
+        for pred, shape in zip(result, original_image_sizes):
+            if "keypoints" in pred:  # no vtdense head predicts them: torchvision's own path
+                return super().postprocess(result, image_shapes, original_image_sizes)
+            if "masks" in pred:
+                pred["masks"] = paste_masks(pred["masks"], pred["boxes"], shape)
+        return result
 
     def __repr__(self) -> str:
         return (

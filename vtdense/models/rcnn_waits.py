@@ -25,7 +25,8 @@ unchanged (the tests compare them with torchvision's on the same model):
   the size and score tests as one mask, compacted with one read of the counts, where torchvision
   waits twice per image (NMS still waits once per image).
 * :class:`LowWaitRoIHeads`: labels written with ``masked_fill`` (two waits per image), the sampled
-  indices from the counts (one wait per image).
+  indices from the counts (one wait per image), and in prediction the detections' score and size
+  tests read for all images at once (two waits per image before; NMS still waits once per image).
 * :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for the box and mask RoI pooling: one wait per
   call instead of one per pyramid level.
 * :class:`CachedWeightsBoxCoder`: the box coder's weights made a tensor once per device, where
@@ -264,6 +265,38 @@ class LowWaitRoIHeads(RoIHeads):
             matched.append(clamped)
             labels.append(_label_targets(classes[clamped].to(torch.int64), matched_idxs, self.proposal_matcher))
         return matched, labels
+
+    def postprocess_detections(self, class_logits: Tensor, box_regression: Tensor, proposals: list[Tensor],
+                               image_shapes: list[tuple[int, int]]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        """``(R, classes)`` logits and ``(R, 4 * classes)`` deltas of every image's proposals -> per
+        image up to ``detections_per_img`` boxes ``(D_i, 4)``, scores ``(D_i,)`` and labels ``(D_i,)``,
+        as torchvision's, with one read of every image's candidate count where torchvision waits
+        twice per image (NMS still waits once per image)."""
+        if tracing():
+            return super().postprocess_detections(class_logits, box_regression, proposals, image_shapes)
+        num_classes = class_logits.shape[-1]
+        counts = [p.shape[0] for p in proposals]
+        all_boxes = self.box_coder.decode(box_regression, proposals).split(counts, 0)
+        all_scores = torch.nn.functional.softmax(class_logits, -1).split(counts, 0)
+        labels_row = torch.arange(num_classes, device=class_logits.device)
+        candidates = []
+        for boxes, scores, shape in zip(all_boxes, all_scores, image_shapes):
+            boxes = box_ops.clip_boxes_to_image(boxes, shape)[:, 1:].reshape(-1, 4)  # class 0 is the background
+            scores = scores[:, 1:].reshape(-1)
+            labels = labels_row[1:].expand(scores.shape[0] // (num_classes - 1), -1).reshape(-1)
+            widths, heights = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+            keep = (scores > self.score_thresh) & (widths >= 1e-2) & (heights >= 1e-2)
+            candidates.append((boxes, scores, labels, keep))
+        kept_counts = torch.stack([c[3].sum() for c in candidates]).tolist() if candidates else []
+        out_boxes, out_scores, out_labels = [], [], []
+        for (boxes, scores, labels, keep), n in zip(candidates, kept_counts):
+            idx = _nonzero(keep, n)
+            boxes, scores, labels = boxes[idx], scores[idx], labels[idx]
+            kept = _batched_nms(boxes, scores, labels, self.nms_thresh)[: self.detections_per_img]
+            out_boxes.append(boxes[kept])
+            out_scores.append(scores[kept])
+            out_labels.append(labels[kept])
+        return out_boxes, out_scores, out_labels
 
     def subsample(self, labels: list[Tensor]) -> list[Tensor]:
         if not _counting(self.fg_bg_sampler):
