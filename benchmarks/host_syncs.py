@@ -106,7 +106,8 @@ class HostWaits(TorchDispatchMode):
 @contextlib.contextmanager
 def cuda_nms_branch() -> Iterator[None]:
     """torchvision's ``batched_nms`` as it runs on CUDA tensors (the coordinate trick up to
-    100,000 coordinates, one NMS per category above), whatever the device."""
+    100,000 coordinates, one NMS per category above), whatever the device; vtdense's heads, which
+    make the same choice, too."""
     from torchvision.ops import boxes as box_ops
 
     original = box_ops.batched_nms
@@ -116,11 +117,16 @@ def cuda_nms_branch() -> Iterator[None]:
             return box_ops._batched_nms_vanilla(boxes, scores, idxs, iou)
         return box_ops._batched_nms_coordinate_trick(boxes, scores, idxs, iou)
 
+    from vtdense.models import rcnn_waits
+
+    limit = rcnn_waits._one_nms_limit
     box_ops.batched_nms = batched_nms
+    rcnn_waits._one_nms_limit = lambda device: 100_000  # vtdense's heads follow torchvision's choice
     try:
         yield
     finally:
         box_ops.batched_nms = original
+        rcnn_waits._one_nms_limit = limit
 
 
 def torchvision_heads(model: torch.nn.Module) -> torch.nn.Module:

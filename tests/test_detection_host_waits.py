@@ -189,6 +189,24 @@ def test_offset_nms_keeps_what_torchvisions_coordinate_trick_keeps() -> None:
     assert _offset_nms(boxes[:0], scores[:0], levels[:0], 0.7).shape == (0,)
 
 
+def test_grouped_nms_keeps_what_torchvisions_per_category_nms_keeps() -> None:
+    from torchvision.ops import boxes as box_ops
+
+    from vtdense.models.rcnn_waits import _batched_nms, _grouped_nms
+
+    g = torch.Generator().manual_seed(8)
+    xy = torch.rand(6000, 2, generator=g) * 300
+    boxes = torch.cat([xy, xy + torch.rand(6000, 2, generator=g) * 80 + 1], 1)
+    scores = torch.rand(6000, generator=g).round(decimals=2)  # ties across categories, for the final sort
+    labels = torch.randint(1, 12, (6000,), generator=g)  # category 0 (and 12-15) absent
+    theirs = box_ops._batched_nms_vanilla(boxes, scores, labels, 0.5)
+    assert torch.equal(_grouped_nms(boxes, scores, labels, 0.5, 16), theirs)
+    assert torch.equal(_batched_nms(boxes, scores, labels, 0.5, 16), theirs)  # above 4,000 coordinates on the CPU
+    assert torch.equal(_batched_nms(boxes[:900], scores[:900], labels[:900], 0.5, 16),
+                       box_ops.batched_nms(boxes[:900], scores[:900], labels[:900], 0.5))
+    assert _grouped_nms(boxes[:0], scores[:0], labels[:0], 0.5, 16).shape == (0,)
+
+
 def test_box_coder_keeps_one_weights_tensor_and_encodes_as_torchvision() -> None:
     from torchvision.models.detection._utils import BoxCoder
 
