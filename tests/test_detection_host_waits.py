@@ -284,3 +284,42 @@ def test_mask_rcnn_predictions_with_the_pasting_equal_torchvisions_postprocess()
     assert sum(len(d["masks"]) for d in a) > 10
     for da, db in zip(a, b):
         assert da.keys() == db.keys() and all(torch.equal(da[k], db[k]) for k in da)
+
+
+def test_training_targets_are_prepared_on_the_cpu_when_the_batch_is_moved() -> None:
+    """In training, degenerate boxes are dropped while the targets are still on the CPU (on a GPU the
+    boolean index would wait for the device three times per image); validation batches are moved as
+    they are."""
+    from types import SimpleNamespace
+
+    from vtdense.tasks.detection import DetectionTask
+
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=dict(embed_dim=16, depths=(1, 1, 1, 1),
+                         num_heads=(1, 1, 1, 1), window_size=4), head="mask_rcnn", num_classes=3)
+    boxes = torch.tensor([[1.0, 2.0, 30.0, 40.0], [5.0, 5.0, 5.0, 9.0], [0.0, 0.0, 10.0, 10.0]])  # the 2nd is flat
+    target = {"boxes": boxes, "labels": torch.tensor([1, 2, 3], dtype=torch.int32), "masks": torch.ones(3, 8, 8),
+              "image_id": 7}
+    batch = ([torch.rand(3, 48, 48)], [target])
+    task._trainer = SimpleNamespace(training=True)
+    _, (moved,) = task.transfer_batch_to_device(batch, torch.device("cpu"), 0)
+    assert moved["image_id"] == 7 and torch.equal(moved["boxes"], boxes[[0, 2]])
+    assert moved["labels"].dtype == torch.int64 and moved["labels"].tolist() == [1, 3] and moved["masks"].shape[0] == 2
+    prepared = task._train_target(moved)
+    assert prepared.keys() == {"boxes", "labels", "masks"} and prepared["boxes"] is moved["boxes"]
+    assert all(torch.equal(prepared[k], v) for k, v in task._train_target(target).items())  # as on the device before
+    task._trainer = SimpleNamespace(training=False)
+    _, (kept,) = task.transfer_batch_to_device(batch, torch.device("cpu"), 0)
+    assert torch.equal(kept["boxes"], boxes) and "_vtdense_train_ready" not in kept
+
+
+def test_finite_check_reads_the_device_once_and_still_names_the_term() -> None:
+    from tests.op_calls import OpCalls
+    from vtdense.tasks.fault import check_finite_losses
+
+    losses = {"a": torch.tensor(1.0), "b": torch.tensor(2.0), "c": torch.tensor(3.0)}
+    with OpCalls(torch.ops.aten._local_scalar_dense) as reads:
+        assert check_finite_losses(losses, 5, [1, 2]) is None
+    assert reads.count == 1
+    losses["b"] = torch.tensor(float("nan"))
+    message = check_finite_losses(losses, 5, [1, 2])
+    assert message is not None and message.startswith("non-finite loss b=nan at step 5, batch images [1, 2]")

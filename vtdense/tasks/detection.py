@@ -79,6 +79,8 @@ _DRAW_COLOURS: tuple[str, ...] = (
 )
 _VIS_MIN_SIDE = 384  # drawn predictions are upscaled to at least this long side
 #: target keys the detector needs on the accelerator; the rest stays on the CPU for the metric.
+#: a training target whose boxes / labels / masks transfer_batch_to_device already prepared
+_TRAIN_READY = "_vtdense_train_ready"
 _DEVICE_TARGET_KEYS: frozenset[str] = frozenset({"boxes", "labels", "masks"})  # detections whose masks are upsampled together
 
 
@@ -431,6 +433,8 @@ class DetectionTask(BaseTask):
         return self._detector(images, targets)
 
     def _train_target(self, target: dict[str, Any]) -> dict[str, Tensor]:
+        if target.get(_TRAIN_READY):  # prepared on the CPU by transfer_batch_to_device
+            return {k: target[k] for k in _DEVICE_TARGET_KEYS if k in target}
         boxes = target["boxes"].float()
         keep = (boxes[:, 2] > boxes[:, 0]) & (boxes[:, 3] > boxes[:, 1])
         out = {"boxes": boxes[keep], "labels": target["labels"][keep].long()}
@@ -453,15 +457,24 @@ class DetectionTask(BaseTask):
         return loss
 
     def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
-        """Move images and training targets; keep evaluation-only ground truth (``orig_*``) on the CPU."""
+        """Move images and training targets; keep evaluation-only ground truth (``orig_*``) on the CPU.
+
+        Copies to a GPU do not make the host wait (``non_blocking``, as Lightning's own transfer), and
+        in training the targets' degenerate boxes are dropped here, on the CPU, where doing it on the
+        device would wait for it three times per image (a boolean index sizes its output from the data)."""
         if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], (list, tuple)):
             images, targets = batch
-            images = [img.to(device) for img in images]
+            kw = {"non_blocking": True} if torch.device(device).type == "cuda" else {}
+            images = [img.to(device, **kw) for img in images]
+            training = self._trainer is not None and self.trainer.training
             moved = []
             for t in targets:
                 if isinstance(t, Mapping):
+                    if training and isinstance(t.get("boxes"), Tensor) and t["boxes"].device.type == "cpu":
+                        rest = {k: v for k, v in t.items() if k not in _DEVICE_TARGET_KEYS}
+                        t = {**rest, **self._train_target(t), _TRAIN_READY: True}
                     t = {
-                        k: (v.to(device) if isinstance(v, Tensor) and k in _DEVICE_TARGET_KEYS else v)
+                        k: (v.to(device, **kw) if isinstance(v, Tensor) and k in _DEVICE_TARGET_KEYS else v)
                         for k, v in t.items()
                     }
                 moved.append(t)

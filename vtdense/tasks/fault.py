@@ -142,6 +142,12 @@ def check_finite_losses(losses: dict[str, Tensor], step: int, images: list[Any])
         step: the global step.
         images: identifiers of the batch's images (COCO image ids, file names or dataset positions).
     """
+    values = [v.detach() for v in losses.values()]
+    if not values:
+        return None
+    # One read of the device for all the terms (on a GPU each read waits for the device to finish).
+    if bool(torch.stack([torch.isfinite(v).all() for v in values]).all()):
+        return None
     for name, value in losses.items():
         if not torch.isfinite(value.detach()).all():
             return (
