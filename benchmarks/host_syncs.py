@@ -20,7 +20,8 @@ CUDA, one NMS per level above 1,000 on the CPU); the count takes the CUDA branch
 what a GPU step runs. The backbone runs its CPU paths here (its GPU calls are counted by
 ``launches.py``); the heads' code is the same on both devices.
 
-    python benchmarks/host_syncs.py [--size 320x480] [--write]
+    python benchmarks/host_syncs.py [--size 320x480] [--predict] [--waits]
+    python benchmarks/host_syncs.py --task     # DetectionTask's steps under Lightning's Trainer
 
 Contenders: ``vtdense`` (the default heads), ``vtdense torchvision-heads`` (the same model with
 torchvision's own RoI pooling and proposal filtering put back) and torchvision's
@@ -206,6 +207,78 @@ def count_step(contender: str, size: tuple[int, int] = (320, 480), model: torch.
             "wait_ops": dict(sorted(mode.wait_ops.items()))}
 
 
+TASK_REGIONS = ("model", "training_step", "between steps")
+
+
+def count_task_steps(steps: int = 3) -> dict[str, Any]:
+    """Counts ``steps`` training steps of a tiny Mask R-CNN ``DetectionTask`` run by Lightning's
+    ``Trainer`` (synthetic COCO data, progress bar on, as a user runs it), after one uncounted step,
+    by region: the model's forward (``model``), the rest of ``training_step`` with the backward and
+    the optimizer (``training_step``), and Lightning between steps (``between steps``: logging, the
+    progress bar). Data loading and ``transfer_batch_to_device`` work on CPU tensors, which on a GPU
+    wait for nothing, and are left out. Returns waits and calls per step by region, and the waits by op."""
+    import tempfile
+
+    import lightning as L
+
+    from vtdense.data.coco import COCODataModule, COCODetection
+    from vtdense.data.synthetic import make_synthetic_coco
+    from vtdense.tasks.detection import DetectionTask
+
+    mode = HostWaits()
+    tiny = dict(embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8), window_size=4)
+    patched = {"forward": DetectionTask.forward, "transfer": DetectionTask.transfer_batch_to_device,
+               "getitem": COCODetection.__getitem__}
+
+    def region(name: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            before, mode.region = mode.region, name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                mode.region = before
+        return wrapped
+
+    class Window(L.Callback):
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, idx: int) -> None:
+            # Steps 1 to `steps` whole, each with what Lightning does after it (before the next).
+            if idx == 1:
+                mode.__enter__()
+                self.reads = mode.host_reads()
+                self.reads.__enter__()
+            elif idx == steps + 1:
+                self.reads.__exit__(None, None, None)
+                mode.__exit__(None, None, None)
+            mode.region = "training_step"
+
+        def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, idx: int) -> None:
+            mode.region = "between steps"
+
+    window = Window()
+    DetectionTask.forward = region("model", patched["forward"])
+    DetectionTask.transfer_batch_to_device = region("CPU tensors", patched["transfer"])
+    COCODetection.__getitem__ = region("CPU tensors", patched["getitem"])
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = make_synthetic_coco(f"{tmp}/coco", num_train=2 * (steps + 3), num_val=2, size_range=(64, 96), num_classes=2)
+            torch.manual_seed(0)
+            task = DetectionTask(backbone="swin_tiny", backbone_kwargs=tiny, head="mask_rcnn", num_classes=None,
+                                 fpn_channels=32, slim_heads=True)
+            dm = COCODataModule(root=str(root), batch_size=2, num_workers=0, train_scales=(80,), max_size=160, test_scale=100)
+            trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps + 2, limit_val_batches=0, num_sanity_val_steps=0,
+                                callbacks=[window], logger=False, enable_checkpointing=False, default_root_dir=tmp,
+                                enable_model_summary=False)
+            with cuda_nms_branch():
+                trainer.fit(task, datamodule=dm)
+    finally:
+        DetectionTask.forward = patched["forward"]
+        DetectionTask.transfer_batch_to_device = patched["transfer"]
+        COCODetection.__getitem__ = patched["getitem"]
+    return {"waits": {r: mode.waits[r] / steps for r in TASK_REGIONS},
+            "calls": {r: mode.calls[r] / steps for r in TASK_REGIONS},
+            "wait_ops": {k: v / steps for k, v in sorted(mode.wait_ops.items()) if not k.startswith("CPU tensors")}}
+
+
 def markdown(results: dict[str, dict[str, Any]], size: tuple[int, int], train: bool = True) -> str:
     """The counts as a Markdown table: one row per contender, calls / waits per region."""
     head = "| contender | " + " | ".join(REGIONS) + " | total |"
@@ -226,7 +299,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     p.add_argument("--contenders", default="vtdense,vtdense torchvision-heads,torchvision")
     p.add_argument("--waits", action="store_true", help="also list the waits by op")
     p.add_argument("--predict", action="store_true", help="count a prediction instead of a training step")
+    p.add_argument("--task", action="store_true", help="count DetectionTask's training steps under Lightning instead")
     args = p.parse_args(argv)
+    if args.task:
+        r = count_task_steps()
+        print("DetectionTask training step (tiny Mask R-CNN, Lightning, progress bar on), per step: waits / calls")
+        print("| " + " | ".join(TASK_REGIONS) + " |\n|" + "---|" * len(TASK_REGIONS))
+        print("| " + " | ".join(f"{r['waits'][g]:g} / {r['calls'][g]:g}" for g in TASK_REGIONS) + " |")
+        print(", ".join(f"{k} x{v:g}" for k, v in r["wait_ops"].items()))
+        return {"task": r}
     size = tuple(int(v) for v in args.size.split("x"))
     torch.set_num_threads(max(1, torch.get_num_threads()))
     results = {c: count_step(c, size, train=not args.predict) for c in args.contenders.split(",")}  # type: ignore[arg-type]
