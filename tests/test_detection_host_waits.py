@@ -323,3 +323,12 @@ def test_finite_check_reads_the_device_once_and_still_names_the_term() -> None:
     losses["b"] = torch.tensor(float("nan"))
     message = check_finite_losses(losses, 5, [1, 2])
     assert message is not None and message.startswith("non-finite loss b=nan at step 5, batch images [1, 2]")
+
+
+def test_task_training_step_under_lightning_waits_once_outside_the_model() -> None:
+    """``host_syncs.py --task``: the rest of ``training_step`` (loss checks, backward, AdamW) reads the
+    device once per step (the finite-loss check); the model's forward 12 times."""
+    counts = host_syncs.count_task_steps(steps=2)
+    assert counts["waits"]["training_step"] == 1, counts["wait_ops"]
+    assert counts["waits"]["model"] <= 12, counts["wait_ops"]
+    assert counts["calls"]["training_step"] > 100  # the backward and the optimizer really ran in the window
