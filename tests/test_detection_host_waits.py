@@ -47,6 +47,9 @@ def test_built_detectors_take_the_classes_and_restore_gives_torchvision_back() -
     assert type(theirs.roi_heads.mask_roi_pool) is MultiScaleRoIAlign
     assert ours.state_dict().keys() == theirs.state_dict().keys()
     assert type(tiny_detector("faster_rcnn").roi_heads) is LowWaitRoIHeads
+    retina = tiny_detector("retinanet")
+    assert type(retina.proposal_matcher) is WaitFreeMatcher
+    assert type(restore_torchvision_heads(retina).proposal_matcher) is Matcher
 
     class Mine(RegionProposalNetwork):  # a user's own subclass is left alone
         pass
@@ -60,7 +63,7 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("head", ["mask_rcnn", "faster_rcnn"])
+@pytest.mark.parametrize("head", ["mask_rcnn", "faster_rcnn", "retinanet"])
 def test_training_losses_and_gradients_equal_torchvisions(head: str) -> None:
     ours, theirs = _pair(head)
     images, targets = toy_batch(with_masks=head == "mask_rcnn")

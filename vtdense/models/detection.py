@@ -377,7 +377,7 @@ def _retinanet(
         sizes=tuple((s, s * 2 ** (1 / 3), s * 2 ** (2 / 3)) for s in sizes),
         aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes),
     )
-    return _dense(RetinaNet, anchor_gen, neck, num_classes, opts, head_kwargs)
+    return reduce_host_waits(_dense(RetinaNet, anchor_gen, neck, num_classes, opts, head_kwargs))
 
 
 def _fcos(neck: BackboneWithFPN, num_classes: int, opts: dict[str, Any], head_kwargs: dict[str, Any]) -> nn.Module:

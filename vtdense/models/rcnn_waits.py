@@ -343,17 +343,22 @@ _SWAPS: tuple[tuple[type, type], ...] = (
 
 
 def _objects(model: nn.Module) -> list[object]:
+    """The R-CNN's RPN and RoI heads, and the matchers, samplers, box coders and RoI pools of those
+    and of a RetinaNet (``model`` itself and its regression head)."""
+    head = getattr(model, "head", None)
+    parts = [model, getattr(model, "rpn", None), getattr(model, "roi_heads", None), getattr(head, "regression_head", None)]
     found: list[object] = []
-    for part in (getattr(model, "rpn", None), getattr(model, "roi_heads", None)):
+    for part in parts:
         if part is not None:
             found += [getattr(part, name, None) for name in ("proposal_matcher", "fg_bg_sampler", "box_coder", "box_roi_pool", "mask_roi_pool")]
-            found.append(part)
+            if part is not model:
+                found.append(part)
     return [o for o in found if o is not None]
 
 
 def reduce_host_waits(model: nn.Module) -> nn.Module:
     """Gives a torchvision Faster / Mask R-CNN (``model.rpn``, ``model.roi_heads``) the classes of
-    this module, and :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for its RoI pooling, in place: only objects whose class is exactly torchvision's are changed (none of
+    this module (a RetinaNet its matcher and box coders), and :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for its RoI pooling, in place: only objects whose class is exactly torchvision's are changed (none of
     these classes adds state), so a user's own subclass is left alone. Returns ``model``."""
     for obj in _objects(model):
         for base, ours in _SWAPS:
