@@ -20,7 +20,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torchvision.ops import MultiScaleRoIAlign, roi_align
-from torchvision.ops.poolers import _convert_to_roi_format, _setup_scales
+
+try:  # torchvision's helpers (private names): where a release renames them, its own code runs
+    from torchvision.ops.poolers import _convert_to_roi_format, _setup_scales
+except ImportError:  # pragma: no cover - depends on the installed torchvision
+    _convert_to_roi_format = _setup_scales = None
 
 from vtdense.layers.tracing import tracing
 
@@ -39,7 +43,7 @@ class LevelSortedRoIAlign(MultiScaleRoIAlign):
 
     def forward(self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]) -> Tensor:
         maps = [v for k, v in x.items() if k in self.featmap_names]
-        if tracing() or len(maps) < 2:
+        if tracing() or len(maps) < 2 or _setup_scales is None:
             return super().forward(x, boxes, image_shapes)
         if self.scales is None or self.map_levels is None:
             self.scales, self.map_levels = _setup_scales(maps, image_shapes, self.canonical_scale, self.canonical_level)
