@@ -275,7 +275,8 @@ class LowWaitRPN(RegionProposalNetwork):
 
 class LowWaitRoIHeads(RoIHeads):
     """torchvision's :class:`~torchvision.models.detection.roi_heads.RoIHeads` (same arguments,
-    submodules and state-dict keys) with fewer host waits in training: see the module docstring."""
+    submodules and state-dict keys) with fewer host waits in training and prediction: see the module
+    docstring."""
 
     def assign_targets_to_proposals(self, proposals: list[Tensor], gt_boxes: list[Tensor],
                                     gt_labels: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
@@ -358,8 +359,10 @@ def _objects(model: nn.Module) -> list[object]:
 
 def reduce_host_waits(model: nn.Module) -> nn.Module:
     """Gives a torchvision Faster / Mask R-CNN (``model.rpn``, ``model.roi_heads``) the classes of
-    this module (a RetinaNet its matcher and box coders), and :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for its RoI pooling, in place: only objects whose class is exactly torchvision's are changed (none of
-    these classes adds state), so a user's own subclass is left alone. Returns ``model``."""
+    this module and :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for its RoI pooling (a
+    RetinaNet its matcher and box coders), in place. Only objects whose class is exactly
+    torchvision's are changed (none of these classes adds state), so a user's own subclass is left
+    alone. Returns ``model``."""
     for obj in _objects(model):
         for base, ours in _SWAPS:
             if type(obj) is base:
