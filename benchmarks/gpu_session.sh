@@ -21,9 +21,10 @@
 #   bench: results-cuda.json, RESULTS.md, bench.log   `benchmarks/run.py --device cuda --full` within BUDGET s
 #   all:   the files of both (8 in all, the most a device call returns), the last being
 #          profile.log                                   `benchmarks/profile_gpu.py --host --python`
-#   focus: triton_norm.log                               benchmarks/triton_norm_check.py (the bf16 LayerNorm kernel)
-#          recompute.log                                 benchmarks/recompute_check.py (training's recomputation forms,
-#                                                        the Triton LayerNorm in training among them)
+#   focus: checks.log                                    benchmarks/triton_norm_check.py (the bf16 LayerNorm kernel),
+#                                                        recompute_check.py (training's recomputation forms, the Triton
+#                                                        LayerNorm in training among them) and host_syncs.py --cuda (the
+#                                                        detector step's waits, as torch's sync debug mode reports them)
 #          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (`vtdense aten-norm`, `vtdense
 #                                                        triton-norm`, `vtdense triton-train`, `vtdense unfused` beside vtdense)
 #          compiled.log, RESULTS-compiled.md             Swin-T train step, both compiled;
@@ -77,8 +78,12 @@ if [ "$mode" = check ]; then
 elif [ "$mode" = focus ]; then
     total=${2:-480}
     rows='^Swin-T inference, batch 64|^Swin-T train step, batch 8 at 512x768, bf16$|^MViTv2-T inference, batch 64|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
-    step triton_norm timeout 60 python3 benchmarks/triton_norm_check.py --device cuda
-    step recompute timeout 90 python3 benchmarks/recompute_check.py --device cuda
+    # One log for the three checks (a device call returns at most 8 files); each keeps its own limit.
+    step checks bash -c 'rc=0
+        for c in "60 benchmarks/triton_norm_check.py --device cuda" "90 benchmarks/recompute_check.py --device cuda" \
+                 "60 benchmarks/host_syncs.py --cuda"; do
+            set -- $c; t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" || rc=$?
+        done; exit $rc'
     step bench timeout 190 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 140
     cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
     left=$((total - SECONDS - 15))

@@ -22,6 +22,7 @@ what a GPU step runs. The backbone runs its CPU paths here (its GPU calls are co
 
     python benchmarks/host_syncs.py [--size 320x480] [--predict] [--waits]
     python benchmarks/host_syncs.py --task     # DetectionTask's steps under Lightning's Trainer
+    python benchmarks/host_syncs.py --cuda     # on a GPU: the synchronising calls torch reports, per step
 
 Contenders: ``vtdense`` (the default heads), ``vtdense torchvision-heads`` (the same model with
 torchvision's own RoI pooling and proposal filtering put back) and torchvision's
@@ -207,6 +208,32 @@ def count_step(contender: str, size: tuple[int, int] = (320, 480), model: torch.
             "wait_ops": dict(sorted(mode.wait_ops.items()))}
 
 
+def count_cuda_syncs(contender: str, size: tuple[int, int] = (800, 1333), bf16: bool = True) -> dict[str, Any]:
+    """On a GPU: the synchronising CUDA calls of one training step of ``contender`` (the published
+    heads, batch 2), as ``torch.cuda.set_sync_debug_mode("warn")`` reports them (every wait, blocking
+    copies to the device included), after one uncounted step. Returns ``{"syncs": n, "where": {...}}``."""
+    import warnings
+
+    from contenders import make_step
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("count_cuda_syncs needs a CUDA device")
+    case = dict(family="maskrcnn", size=list(size), mode="train", batch=2, dtype="bf16" if bf16 else "fp32")
+    step = make_step(contender, case, "cuda")
+    step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return {"syncs": len(syncs), "where": dict(where.most_common())}
+
+
 TASK_REGIONS = ("model", "training_step", "between steps")
 
 
@@ -300,7 +327,15 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
     p.add_argument("--waits", action="store_true", help="also list the waits by op")
     p.add_argument("--predict", action="store_true", help="count a prediction instead of a training step")
     p.add_argument("--task", action="store_true", help="count DetectionTask's training steps under Lightning instead")
+    p.add_argument("--cuda", action="store_true", help="on a GPU: count the synchronising CUDA calls of a bf16 step")
     args = p.parse_args(argv)
+    if args.cuda:
+        found = {}
+        for c in ("vtdense", "vtdense torchvision-heads", "torchvision"):
+            found[c] = count_cuda_syncs(c)
+            print(f"{c}: {found[c]['syncs']} synchronising calls per bf16 training step at 800x1333, batch 2; "
+                  + ", ".join(f"{k} x{v}" for k, v in list(found[c]["where"].items())[:12]))
+        return found
     if args.task:
         r = count_task_steps()
         print("DetectionTask training step (tiny Mask R-CNN, Lightning, progress bar on), per step: waits / calls")
