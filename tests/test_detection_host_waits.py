@@ -335,3 +335,46 @@ def test_task_training_step_under_lightning_waits_once_outside_the_model() -> No
     assert counts["waits"]["training_step"] == 1, counts["wait_ops"]
     assert counts["waits"]["model"] <= 12, counts["wait_ops"]
     assert counts["calls"]["training_step"] > 100  # the backward and the optimizer really ran in the window
+
+
+def _retina_case(g: torch.Generator) -> tuple[list[dict], list[torch.Tensor], list[torch.Tensor]]:
+    """Two images' targets, anchors and matches (foreground, background -1, ignored -2); the second
+    image has no boxes at all."""
+    anchors = [torch.cat([xy := torch.rand(60, 2, generator=g) * 50, xy + torch.rand(60, 2, generator=g) * 20 + 2], 1)
+               for _ in range(2)]
+    gt = torch.tensor([[2.0, 3.0, 20.0, 25.0], [30.0, 10.0, 60.0, 40.0]])
+    targets = [{"boxes": gt, "labels": torch.tensor([1, 4])},
+               {"boxes": torch.zeros(0, 4), "labels": torch.zeros(0, dtype=torch.int64)}]
+    matched = [torch.randint(-2, 2, (60,), generator=g), torch.full((60,), -1)]
+    return targets, anchors, matched
+
+
+@pytest.mark.parametrize("loss_type", ["l1", "smooth_l1", "giou", "diou", "ciou"])
+def test_retinanet_losses_equal_torchvisions_without_waits(loss_type: str) -> None:
+    from torchvision.models.detection.retinanet import RetinaNetClassificationHead, RetinaNetRegressionHead
+
+    from vtdense.models.retinanet_waits import LowWaitClassificationHead, LowWaitRegressionHead
+
+    g = torch.Generator().manual_seed(9)
+    targets, anchors, matched = _retina_case(g)
+    torch.manual_seed(0)
+    theirs_cls, theirs_reg = RetinaNetClassificationHead(8, 1, 5), RetinaNetRegressionHead(8, 1)
+    theirs_reg._loss_type = loss_type
+    ours_cls, ours_reg = copy.deepcopy(theirs_cls), copy.deepcopy(theirs_reg)
+    ours_cls.__class__, ours_reg.__class__ = LowWaitClassificationHead, LowWaitRegressionHead
+    logits = torch.randn(2, 60, 5, generator=g, requires_grad=True)
+    deltas = (torch.randn(2, 60, 4, generator=g) * 0.1).requires_grad_()
+    outputs = {"cls_logits": logits, "bbox_regression": deltas}
+    results = []
+    for cls_head, reg_head in ((ours_cls, ours_reg), (theirs_cls, theirs_reg)):
+        with host_syncs.HostWaits() as waits:
+            loss = cls_head.compute_loss(targets, outputs, matched) + reg_head.compute_loss(targets, outputs, anchors, matched)
+        results.append((loss, torch.autograd.grad(loss, [logits, deltas]), sum(waits.waits.values())))
+    (l_ours, g_ours, w_ours), (l_theirs, g_theirs, w_theirs) = results
+    torch.testing.assert_close(l_ours, l_theirs, rtol=1e-6, atol=1e-7)
+    for a, b in zip(g_ours, g_theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+    if loss_type in ("l1", "smooth_l1"):  # (torchvision's own IoU losses index through boolean masks inside)
+        assert w_ours == 0 and w_theirs > 0
+    else:
+        assert w_ours < w_theirs

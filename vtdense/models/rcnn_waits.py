@@ -48,12 +48,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, BoxCoder, Matcher, encode_boxes
+from torchvision.models.detection.retinanet import RetinaNetClassificationHead, RetinaNetRegressionHead
 from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 
 from vtdense.layers.tracing import fresh_tables, tracing
+from vtdense.models.retinanet_waits import LowWaitClassificationHead, LowWaitRegressionHead
 from vtdense.models.roi_pool import LevelSortedRoIAlign
 
 __all__ = [
@@ -340,6 +342,8 @@ _SWAPS: tuple[tuple[type, type], ...] = (
     (BalancedPositiveNegativeSampler, CountingSampler),
     (MultiScaleRoIAlign, LevelSortedRoIAlign),
     (BoxCoder, CachedWeightsBoxCoder),
+    (RetinaNetClassificationHead, LowWaitClassificationHead),
+    (RetinaNetRegressionHead, LowWaitRegressionHead),
 )
 
 
@@ -347,7 +351,8 @@ def _objects(model: nn.Module) -> list[object]:
     """The R-CNN's RPN and RoI heads, and the matchers, samplers, box coders and RoI pools of those
     and of a RetinaNet (``model`` itself and its regression head)."""
     head = getattr(model, "head", None)
-    parts = [model, getattr(model, "rpn", None), getattr(model, "roi_heads", None), getattr(head, "regression_head", None)]
+    parts = [model, getattr(model, "rpn", None), getattr(model, "roi_heads", None), getattr(head, "regression_head", None),
+             getattr(head, "classification_head", None)]
     found: list[object] = []
     for part in parts:
         if part is not None:
@@ -360,7 +365,7 @@ def _objects(model: nn.Module) -> list[object]:
 def reduce_host_waits(model: nn.Module) -> nn.Module:
     """Gives a torchvision Faster / Mask R-CNN (``model.rpn``, ``model.roi_heads``) the classes of
     this module and :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for its RoI pooling (a
-    RetinaNet its matcher and box coders), in place. Only objects whose class is exactly
+    RetinaNet its matcher, box coders and the heads of :mod:`vtdense.models.retinanet_waits`), in place. Only objects whose class is exactly
     torchvision's are changed (none of these classes adds state), so a user's own subclass is left
     alone. Returns ``model``."""
     for obj in _objects(model):

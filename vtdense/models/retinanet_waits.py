@@ -1,0 +1,89 @@
+"""torchvision's RetinaNet losses without host waits.
+
+torchvision's RetinaNet heads select each image's foreground and non-ignored anchors through
+boolean masks (``logits[valid]``, ``targets[fg, labels] = 1``, ``torch.where(matched >= 0)``) and
+divide by ``max(1, num_foreground)``: on a GPU each waits for the device, about seven times per
+image per training step. The classes here compute the same per-anchor losses on every anchor and
+sum them under the masks instead (``torch.where(mask, loss, 0)``: a masked-out anchor's value, even a
+non-finite one, never reaches the sum, and its gradient is zero), dividing by the foreground count
+on the device. Same values up to the order of the summation (float rounding), the same gradients;
+while a graph is built torchvision's own code runs. :func:`vtdense.models.rcnn_waits.reduce_host_waits`
+installs them on a RetinaNet built by :func:`~vtdense.models.detection.build_detector`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torchvision.models.detection.retinanet import RetinaNetClassificationHead, RetinaNetRegressionHead
+from torchvision.ops import complete_box_iou_loss, distance_box_iou_loss, generalized_box_iou_loss, sigmoid_focal_loss
+
+from vtdense.layers.tracing import tracing
+
+__all__ = ["LowWaitClassificationHead", "LowWaitRegressionHead"]
+
+
+def _sequential_sum(terms: list[Tensor]) -> Tensor:
+    """``terms[0] + terms[1] + ...`` in that order (as torchvision adds the images' losses)."""
+    total = terms[0]
+    for t in terms[1:]:
+        total = total + t
+    return total
+
+
+class LowWaitClassificationHead(RetinaNetClassificationHead):
+    """torchvision's RetinaNet classification head (same layers and keys); its focal loss, per image
+    ``sum over non-ignored anchors / max(1, foreground anchors)``, averaged over the images, without
+    a host wait."""
+
+    def compute_loss(self, targets: list[dict[str, Tensor]], head_outputs: dict[str, Tensor],
+                     matched_idxs: list[Tensor]) -> Tensor:
+        if tracing():
+            return super().compute_loss(targets, head_outputs, matched_idxs)
+        losses = []
+        for target, logits, matched in zip(targets, head_outputs["cls_logits"], matched_idxs):
+            foreground = matched >= 0
+            wanted = torch.zeros_like(logits)
+            if target["labels"].numel():  # one-hot rows for the foreground anchors' classes
+                classes = target["labels"][matched.clamp(min=0)]
+                wanted.scatter_(1, classes.unsqueeze(1), foreground.unsqueeze(1).to(wanted.dtype))
+            valid = (matched != self.BETWEEN_THRESHOLDS).unsqueeze(1)
+            per_anchor = sigmoid_focal_loss(logits, wanted, reduction="none")
+            losses.append(torch.where(valid, per_anchor, 0.0).sum() / foreground.sum().clamp(min=1))
+        return _sequential_sum(losses) / len(targets)
+
+
+class LowWaitRegressionHead(RetinaNetRegressionHead):
+    """torchvision's RetinaNet regression head (same layers and keys); its box loss over the
+    foreground anchors (``l1``, ``smooth_l1``, ``giou``, ``diou``, ``ciou``), per image divided by
+    ``max(1, foreground anchors)``, averaged over the images, without a host wait (torchvision's IoU
+    losses, which the last three call, still wait inside; ``l1``, the default, does not)."""
+
+    def _per_anchor(self, anchors: Tensor, gt: Tensor, regression: Tensor) -> Tensor:
+        """``(A, 4)`` (l1, smooth_l1) or ``(A,)`` (IoU losses) unreduced losses, as torchvision's
+        ``_box_loss`` computes them before its sum."""
+        kind = self._loss_type
+        if kind in ("l1", "smooth_l1"):
+            wanted = self.box_coder.encode_single(gt, anchors)
+            if kind == "l1":
+                return F.l1_loss(regression, wanted, reduction="none")
+            return F.smooth_l1_loss(regression, wanted, reduction="none", beta=1.0)
+        boxes = self.box_coder.decode_single(regression, anchors)
+        loss = {"ciou": complete_box_iou_loss, "diou": distance_box_iou_loss}.get(kind, generalized_box_iou_loss)
+        return loss(boxes, gt, reduction="none", eps=1e-7)
+
+    def compute_loss(self, targets: list[dict[str, Tensor]], head_outputs: dict[str, Tensor], anchors: list[Tensor],
+                     matched_idxs: list[Tensor]) -> Tensor:
+        if tracing() or self._loss_type not in ("l1", "smooth_l1", "giou", "diou", "ciou"):
+            return super().compute_loss(targets, head_outputs, anchors, matched_idxs)
+        losses = []
+        for target, regression, anchors_i, matched in zip(targets, head_outputs["bbox_regression"], anchors, matched_idxs):
+            foreground = matched >= 0
+            if target["boxes"].numel() == 0:  # no foreground: zero, with the (zero) gradient torchvision's has
+                losses.append(torch.where(foreground.unsqueeze(1), regression, 0.0).sum())
+                continue
+            per_anchor = self._per_anchor(anchors_i, target["boxes"][matched.clamp(min=0)], regression)
+            mask = foreground if per_anchor.dim() == 1 else foreground.unsqueeze(1)
+            losses.append(torch.where(mask, per_anchor, 0.0).sum() / foreground.sum().clamp(min=1))
+        return _sequential_sum(losses) / max(1, len(targets))
