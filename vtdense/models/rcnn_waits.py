@@ -25,7 +25,8 @@ unchanged (the tests compare them with torchvision's on the same model):
   the size and score tests as one mask, compacted with one read of the counts, where torchvision
   waits twice per image (NMS still waits once per image).
 * :class:`LowWaitRoIHeads`: labels written with ``masked_fill`` (two waits per image), the sampled
-  indices from the counts (one wait per image), and in prediction the detections' score and size
+  indices from the counts (one wait per image), the positives of the box loss and of the mask branch
+  from the counts too (one wait, and one per image), and in prediction the detections' score and size
   tests read for all images at once (two waits per image before; NMS still waits once per image).
 * :class:`~vtdense.models.roi_pool.LevelSortedRoIAlign` for the box and mask RoI pooling: one wait per
   call instead of one per pyramid level.
@@ -33,7 +34,7 @@ unchanged (the tests compare them with torchvision's on the same model):
   torchvision copies them to the device in every ``encode`` (a blocking copy: a wait), and the RPN's
   per-level NMS offsets computed on the device (torchvision copies a ``1`` to it per image).
 
-Together: 12 waits in the step that ``benchmarks/host_syncs.py`` counts, where torchvision's heads
+Together: 9 waits in the step that ``benchmarks/host_syncs.py`` counts, where torchvision's heads
 wait 49 times (two of the rest are torchvision's check for degenerate target boxes, two NMS); the
 count sees data-dependent ops and host reads, not blocking host-to-device copies, of which four per
 step are gone too (the box coder's two, the NMS offsets' two).
@@ -49,7 +50,7 @@ import torch
 from torch import Tensor, nn
 from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, BoxCoder, Matcher, encode_boxes
 from torchvision.models.detection.retinanet import RetinaNetClassificationHead, RetinaNetRegressionHead
-from torchvision.models.detection.roi_heads import RoIHeads
+from torchvision.models.detection.roi_heads import RoIHeads, maskrcnn_loss
 from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
@@ -195,6 +196,21 @@ def _offset_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: floa
     return box_ops.nms(boxes + offsets[:, None], scores, iou_threshold)
 
 
+def _fastrcnn_loss(class_logits: Tensor, box_regression: Tensor, labels: list[Tensor], regression_targets: list[Tensor],
+                   num_positive: int) -> tuple[Tensor, Tensor]:
+    """torchvision's Fast R-CNN losses (cross-entropy over the sampled RoIs; smooth L1, beta 1/9, of
+    the positives' deltas for their class, over the number of sampled RoIs), the positives found
+    from their count, known on the host, instead of a ``torch.where``."""
+    labels_all = torch.cat(labels)
+    targets_all = torch.cat(regression_targets)
+    classification = torch.nn.functional.cross_entropy(class_logits, labels_all)
+    pos = _nonzero(labels_all > 0, num_positive)
+    deltas = box_regression.reshape(class_logits.shape[0], box_regression.shape[-1] // 4, 4)
+    box_loss = torch.nn.functional.smooth_l1_loss(deltas[pos, labels_all[pos]], targets_all[pos], beta=1 / 9,
+                                                  reduction="sum")
+    return classification, box_loss / labels_all.numel()
+
+
 def _nonzero(mask: Tensor, count: int) -> Tensor:
     """``torch.where(mask)[0]`` for a 1-D mask with ``count`` non-zeros known on the host."""
     return torch.nonzero_static(mask, size=count)[:, 0]
@@ -332,7 +348,37 @@ class LowWaitRoIHeads(RoIHeads):
         if not _counting(self.fg_bg_sampler):
             return super().subsample(labels)
         pos_masks, neg_masks, num_pos, num_neg = self.fg_bg_sampler.sample(labels)
+        self._sampled_positives = num_pos  # read by forward (a replica of DataParallel has its own)
         return [_nonzero(p | n, a + b) for p, n, a, b in zip(pos_masks, neg_masks, num_pos, num_neg)]
+
+    def forward(self, features: dict[str, Tensor], proposals: list[Tensor], image_shapes: list[tuple[int, int]],
+                targets: list[dict[str, Tensor]] | None = None) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
+        """torchvision's forward; in training (boxes and masks, no keypoints) the positive RoIs of the
+        box loss and of the mask branch are found from the sampler's counts, where torchvision waits
+        for a ``torch.where(labels > 0)`` once for the loss and once per image for the masks."""
+        if not self.training or tracing() or self.has_keypoint() or not _counting(self.fg_bg_sampler) or targets is None:
+            return super().forward(features, proposals, image_shapes, targets)
+        for t in targets:  # torchvision's checks (dtypes: no wait)
+            if t["boxes"].dtype not in (torch.float, torch.double, torch.half):
+                raise TypeError(f"target boxes must of float type, instead got {t['boxes'].dtype}")
+            if t["labels"].dtype != torch.int64:
+                raise TypeError(f"target labels must of int64 type, instead got {t['labels'].dtype}")
+        self._sampled_positives = None
+        proposals, matched_idxs, labels, regression_targets = self.select_training_samples(proposals, targets)
+        positives = self._sampled_positives
+        if positives is None:  # a subclass replaced subsample: its counts are unknown here
+            raise RuntimeError("LowWaitRoIHeads.forward needs LowWaitRoIHeads.subsample to run (it counts the positives)")
+        class_logits, box_regression = self.box_predictor(self.box_head(self.box_roi_pool(features, proposals, image_shapes)))
+        losses = dict(zip(("loss_classifier", "loss_box_reg"),
+                          _fastrcnn_loss(class_logits, box_regression, labels, regression_targets, sum(positives))))
+        if self.has_mask():
+            pos = [_nonzero(lab > 0, n) for lab, n in zip(labels, positives)]  # the sampled positives: labels >= 1
+            mask_proposals = [p[i] for p, i in zip(proposals, pos)]
+            pos_matched_idxs = [m[i] for m, i in zip(matched_idxs, pos)]
+            mask_logits = self.mask_predictor(self.mask_head(self.mask_roi_pool(features, mask_proposals, image_shapes)))
+            losses["loss_mask"] = maskrcnn_loss(mask_logits, mask_proposals, [t["masks"] for t in targets],
+                                                [t["labels"] for t in targets], pos_matched_idxs)
+        return [], losses
 
 
 _SWAPS: tuple[tuple[type, type], ...] = (
