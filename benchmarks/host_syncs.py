@@ -119,16 +119,16 @@ def cuda_nms_branch() -> Iterator[None]:
             return box_ops._batched_nms_vanilla(boxes, scores, idxs, iou)
         return box_ops._batched_nms_coordinate_trick(boxes, scores, idxs, iou)
 
-    from vtdense.models import rcnn_waits
+    from vtdense.models import nms
 
-    limit = rcnn_waits._one_nms_limit
+    limit = nms._one_nms_limit
     box_ops.batched_nms = batched_nms
-    rcnn_waits._one_nms_limit = lambda device: 100_000  # vtdense's heads follow torchvision's choice
+    nms._one_nms_limit = lambda device: 100_000  # vtdense's heads follow torchvision's choice
     try:
         yield
     finally:
         box_ops.batched_nms = original
-        rcnn_waits._one_nms_limit = limit
+        nms._one_nms_limit = limit
 
 
 def torchvision_heads(model: torch.nn.Module) -> torch.nn.Module:

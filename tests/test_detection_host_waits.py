@@ -179,7 +179,7 @@ def test_published_step_waits_a_fifth_as_often() -> None:
 def test_offset_nms_keeps_what_torchvisions_coordinate_trick_keeps() -> None:
     from torchvision.ops import boxes as box_ops
 
-    from vtdense.models.rcnn_waits import _offset_nms
+    from vtdense.models.nms import _offset_nms
 
     g = torch.Generator().manual_seed(4)
     xy = torch.rand(3000, 2, generator=g) * 300
@@ -195,7 +195,7 @@ def test_offset_nms_keeps_what_torchvisions_coordinate_trick_keeps() -> None:
 def test_grouped_nms_keeps_what_torchvisions_per_category_nms_keeps() -> None:
     from torchvision.ops import boxes as box_ops
 
-    from vtdense.models.rcnn_waits import _batched_nms, _grouped_nms
+    from vtdense.models.nms import _grouped_nms, batched_nms
 
     g = torch.Generator().manual_seed(8)
     xy = torch.rand(6000, 2, generator=g) * 300
@@ -204,8 +204,8 @@ def test_grouped_nms_keeps_what_torchvisions_per_category_nms_keeps() -> None:
     labels = torch.randint(1, 12, (6000,), generator=g)  # category 0 (and 12-15) absent
     theirs = box_ops._batched_nms_vanilla(boxes, scores, labels, 0.5)
     assert torch.equal(_grouped_nms(boxes, scores, labels, 0.5, 16), theirs)
-    assert torch.equal(_batched_nms(boxes, scores, labels, 0.5, 16), theirs)  # above 4,000 coordinates on the CPU
-    assert torch.equal(_batched_nms(boxes[:900], scores[:900], labels[:900], 0.5, 16),
+    assert torch.equal(batched_nms(boxes, scores, labels, 0.5, 16), theirs)  # above 4,000 coordinates on the CPU
+    assert torch.equal(batched_nms(boxes[:900], scores[:900], labels[:900], 0.5, 16),
                        box_ops.batched_nms(boxes[:900], scores[:900], labels[:900], 0.5))
     assert _grouped_nms(boxes[:0], scores[:0], labels[:0], 0.5, 16).shape == (0,)
 

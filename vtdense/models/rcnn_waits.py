@@ -56,6 +56,7 @@ from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 
 from vtdense.layers.tracing import fresh_tables, tracing
+from vtdense.models.nms import batched_nms
 from vtdense.models.retinanet_waits import LowWaitClassificationHead, LowWaitRegressionHead
 from vtdense.models.roi_pool import LevelSortedRoIAlign
 
@@ -152,50 +153,6 @@ class CachedWeightsBoxCoder(BoxCoder):
         return encode_boxes(reference_boxes, proposals, cache[key])
 
 
-def _batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, num_groups: int) -> Tensor:
-    """``torchvision.ops.batched_nms`` (NMS within each category ``idxs`` in ``[0, num_groups)``):
-    the same kept indices, in the same order, with fewer waits. Where torchvision shifts the
-    categories apart and runs one NMS (up to 4,000 coordinates on the CPU, 100,000 on CUDA), the
-    shift is computed on the device instead of from a copied ``1``; above that, where it finds each
-    category with a ``torch.where`` and a wait, the boxes are sorted by category and the counts read
-    once (one NMS per category remains, each a wait)."""
-    if boxes.numel() > _one_nms_limit(boxes.device):
-        return _grouped_nms(boxes, scores, idxs, iou_threshold, num_groups)
-    return _offset_nms(boxes, scores, idxs, iou_threshold)
-
-
-def _one_nms_limit(device: torch.device) -> int:
-    """The most coordinates torchvision's ``batched_nms`` handles with one NMS on ``device``."""
-    return 4000 if device.type == "cpu" else 100_000
-
-
-def _grouped_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, num_groups: int) -> Tensor:
-    """torchvision's per-category NMS (its ``batched_nms`` for many boxes): each category's boxes in
-    their order, NMS on them, the kept indices sorted by score as torchvision sorts them."""
-    order = torch.argsort(idxs, stable=True)
-    groups = torch.arange(num_groups, device=idxs.device)
-    counts = (idxs.unsqueeze(0) == groups.unsqueeze(1)).sum(dim=1).tolist()
-    kept, start = [], 0
-    for n in counts:
-        if n:
-            members = order[start:start + n]
-            kept.append(members[box_ops.nms(boxes[members], scores[members], iou_threshold)])
-        start += n
-    if not kept:
-        return torch.empty((0,), dtype=torch.int64, device=boxes.device)
-    keep = torch.cat(kept).sort().values  # ascending, as torchvision's torch.where(keep_mask)
-    return keep[scores[keep].sort(descending=True)[1]]
-
-
-def _offset_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float) -> Tensor:
-    """torchvision's coordinate trick (each category's boxes shifted past the largest coordinate,
-    then one NMS), the same arithmetic, with the ``+ 1`` added on the device."""
-    if boxes.numel() == 0:
-        return torch.empty((0,), dtype=torch.int64, device=boxes.device)
-    offsets = idxs.to(boxes) * (boxes.max() + 1)
-    return box_ops.nms(boxes + offsets[:, None], scores, iou_threshold)
-
-
 def _fastrcnn_loss(class_logits: Tensor, box_regression: Tensor, labels: list[Tensor], regression_targets: list[Tensor],
                    num_positive: int) -> tuple[Tensor, Tensor]:
     """torchvision's Fast R-CNN losses (cross-entropy over the sampled RoIs; smooth L1, beta 1/9, of
@@ -285,7 +242,7 @@ class LowWaitRPN(RegionProposalNetwork):
         for i, count in enumerate(counts):
             idx = order[i, :count]
             b, s, lvl = boxes[i, idx], scores[i, idx], levels[idx]
-            kept = _batched_nms(b, s, lvl, self.nms_thresh, len(taken))[: self.post_nms_top_n()]
+            kept = batched_nms(b, s, lvl, self.nms_thresh, len(taken))[: self.post_nms_top_n()]
             final_boxes.append(b[kept])
             final_scores.append(s[kept])
         return final_boxes, final_scores
@@ -338,7 +295,7 @@ class LowWaitRoIHeads(RoIHeads):
         for (boxes, scores, labels, keep), n in zip(candidates, kept_counts):
             idx = _nonzero(keep, n)
             boxes, scores, labels = boxes[idx], scores[idx], labels[idx]
-            kept = _batched_nms(boxes, scores, labels, self.nms_thresh, num_classes)[: self.detections_per_img]
+            kept = batched_nms(boxes, scores, labels, self.nms_thresh, num_classes)[: self.detections_per_img]
             out_boxes.append(boxes[kept])
             out_scores.append(scores[kept])
             out_labels.append(labels[kept])
