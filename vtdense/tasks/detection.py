@@ -79,9 +79,9 @@ _DRAW_COLOURS: tuple[str, ...] = (
 )
 _VIS_MIN_SIDE = 384  # drawn predictions are upscaled to at least this long side
 #: target keys the detector needs on the accelerator; the rest stays on the CPU for the metric.
-#: a training target whose boxes / labels / masks transfer_batch_to_device already prepared
-_TRAIN_READY = "_vtdense_train_ready"
 _DEVICE_TARGET_KEYS: frozenset[str] = frozenset({"boxes", "labels", "masks"})  # detections whose masks are upsampled together
+#: marks a training target whose boxes / labels / masks transfer_batch_to_device already prepared
+_TRAIN_READY = "_vtdense_train_ready"
 
 
 def _as_label_map(value: Any) -> dict[int, int]:
