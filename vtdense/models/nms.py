@@ -15,7 +15,16 @@ import torch
 from torch import Tensor
 from torchvision.ops import boxes as box_ops
 
-__all__ = ["batched_nms"]
+__all__ = ["batched_nms", "sort_by_group"]
+
+
+def sort_by_group(ids: Tensor, num_groups: int) -> tuple[Tensor, list[int]]:
+    """``ids`` ``(N,)`` int64 in ``[0, num_groups)`` -> ``(order, counts)``: the ``(N,)`` positions
+    sorted by group, each group's in their original order, and how many each group holds, read from
+    the device in one transfer (not ``bincount``, which on CUDA reads its input's extremes first)."""
+    order = torch.argsort(ids, stable=True)
+    groups = torch.arange(num_groups, device=ids.device)
+    return order, (ids.unsqueeze(0) == groups.unsqueeze(1)).sum(dim=1).tolist()
 
 
 def batched_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, num_groups: int) -> Tensor:
@@ -39,9 +48,7 @@ def _one_nms_limit(device: torch.device) -> int:
 def _grouped_nms(boxes: Tensor, scores: Tensor, idxs: Tensor, iou_threshold: float, num_groups: int) -> Tensor:
     """torchvision's per-category NMS (its ``batched_nms`` for many boxes): each category's boxes in
     their order, NMS on them, the kept indices sorted by score as torchvision sorts them."""
-    order = torch.argsort(idxs, stable=True)
-    groups = torch.arange(num_groups, device=idxs.device)
-    counts = (idxs.unsqueeze(0) == groups.unsqueeze(1)).sum(dim=1).tolist()
+    order, counts = sort_by_group(idxs, num_groups)
     kept, start = [], 0
     for n in counts:
         if n:

@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover - depends on the installed torchvision
     _convert_to_roi_format = _setup_scales = None
 
 from vtdense.layers.tracing import tracing
+from vtdense.models.nms import sort_by_group
 
 __all__ = ["LevelSortedRoIAlign"]
 
@@ -48,12 +49,8 @@ class LevelSortedRoIAlign(MultiScaleRoIAlign):
         if self.scales is None or self.map_levels is None:
             self.scales, self.map_levels = _setup_scales(maps, image_shapes, self.canonical_scale, self.canonical_level)
         rois = _convert_to_roi_format(boxes)
-        levels = self.map_levels(boxes)
-        order = torch.argsort(levels, stable=True)
-        # The one wait on the device: how many RoIs each level pools (not ``bincount``, which reads
-        # the input's minimum and maximum on the host first on CUDA).
-        ids = torch.arange(len(maps), device=levels.device)
-        counts = (levels.unsqueeze(0) == ids.unsqueeze(1)).sum(dim=1).tolist()
+        # The one wait on the device: how many RoIs each level pools.
+        order, counts = sort_by_group(self.map_levels(boxes), len(maps))
         rois = rois[order]
         first = maps[0]
         pooled, start = [], 0
