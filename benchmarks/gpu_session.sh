@@ -25,6 +25,7 @@
 #                                                        recompute_check.py (training's recomputation forms, the Triton
 #                                                        LayerNorm in training among them) and host_syncs.py --cuda (the
 #                                                        detector step's waits, as torch's sync debug mode reports them)
+#          gpu_check.log                                 the attention paths' errors (fp32 vs math and vs float64, bf16), no compile
 #          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (`vtdense aten-norm`, `vtdense
 #                                                        triton-norm`, `vtdense triton-train`, `vtdense unfused` beside vtdense)
 #          compiled.log, RESULTS-compiled.md             Swin-T train step, both compiled;
@@ -86,6 +87,9 @@ elif [ "$mode" = focus ]; then
         done; exit $rc'
     step bench timeout 190 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 140
     cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
+    # The attention paths' fp32 errors against the float64 model (no compile): is MViTv2's sdpa-vs-math
+    # gap one path's inaccuracy or float32 rounding at that output magnitude?
+    step gpu_check timeout 100 python3 benchmarks/gpu_check.py --device cuda --no-compile
     left=$((total - SECONDS - 15))
     if [ $left -ge 90 ]; then
         step compiled timeout $left python3 benchmarks/run.py --device cuda --full --no-extras --only 'compiled$|compile_backbone$' --budget $((left - 30))
