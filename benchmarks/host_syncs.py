@@ -11,10 +11,12 @@ work after it no longer overlaps the kernels before it.
 Both are properties of the code, not of the device, so this script counts them on the CPU with real
 tensors (the heads need real values): a ``TorchDispatchMode`` sees every ATen call, by region of the
 model (backbone + FPN, RPN, RoI heads, backward, optimizer), and counts the data-dependent ones;
-``Tensor.tolist`` and ``Tensor.item`` are counted where they are called. Not seen: blocking
-host-to-device copies, which on the CPU are no copy at all (torchvision's box coder made one per
-``encode``, its CUDA ``batched_nms`` one per call; vtdense's heads make neither), and waits inside a
-CUDA kernel's own code (``bincount``, which vtdense's RoI pooling does not use). torchvision's
+``Tensor.tolist`` and ``Tensor.item`` are counted where they are called; so are tensors made from
+Python data for a device (``torch.tensor`` / ``torch.as_tensor`` with ``device=``) and Python numbers
+assigned through an index tensor, since on a GPU each is a blocking copy from host memory. Not seen:
+copies of CPU tensors to the device (none in the heads), and waits inside a CUDA kernel's own code
+(``bincount``, which vtdense's RoI pooling does not use). ``--cuda`` counts on a GPU with torch's
+sync-debug mode, which sees everything. torchvision's
 ``batched_nms`` picks its implementation by device (one NMS over offset boxes up to 25,000 boxes on
 CUDA, one NMS per level above 1,000 on the CPU); the count takes the CUDA branch, so what is counted is
 what a GPU step runs. The backbone runs its CPU paths here (its GPU calls are counted by
@@ -69,6 +71,7 @@ class HostWaits(TorchDispatchMode):
         self.calls: collections.Counter[str] = collections.Counter()
         self.waits: collections.Counter[str] = collections.Counter()
         self.wait_ops: collections.Counter[str] = collections.Counter()
+        self._fresh: Any = None
 
     def _wait(self, what: str) -> None:
         self.waits[self.region] += 1
@@ -85,24 +88,38 @@ class HostWaits(TorchDispatchMode):
             indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
             if any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices):
                 self._wait(f"{name} (boolean)")
-        return func(*args, **kwargs)
+            elif name != "index" and len(args) > 2 and args[2] is self._fresh:
+                self._wait("number assigned through an index")  # its value is copied to the device
+        out = func(*args, **kwargs)
+        self._fresh = out if name == "lift_fresh" else None  # a tensor just made from Python data
+        return out
 
     @contextlib.contextmanager
     def host_reads(self) -> Iterator[None]:
         """Counts ``Tensor.tolist`` / ``Tensor.item`` calls (the latter also reaches
-        ``_local_scalar_dense``, so only ``tolist`` is added here)."""
-        original = torch.Tensor.tolist
+        ``_local_scalar_dense``, so only ``tolist`` is added here), and ``torch.tensor`` /
+        ``torch.as_tensor`` of Python data with a ``device`` given (a copy to the GPU there; without
+        one the tensor stays on the host, as torchvision's RoI level mapper's ``eps``, no copy)."""
+        original = torch.Tensor.tolist, torch.tensor, torch.as_tensor
         mode = self
 
         def tolist(t: torch.Tensor) -> Any:
             mode._wait("tolist")
-            return original(t)
+            return original[0](t)
+
+        def made(make: Any) -> Any:
+            def wrapper(data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+                if kwargs.get("device") is not None and not isinstance(data, torch.Tensor):
+                    mode._wait("tensor from host data")
+                return make(data, *args, **kwargs)
+            return wrapper
 
         torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        torch.tensor, torch.as_tensor = made(original[1]), made(original[2])
         try:
             yield
         finally:
-            torch.Tensor.tolist = original  # type: ignore[method-assign]
+            torch.Tensor.tolist, torch.tensor, torch.as_tensor = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -166,7 +166,8 @@ def test_sampler_draws_what_torchvisions_draws() -> None:
 
 def test_published_step_waits_a_fifth_as_often() -> None:
     """The counts of ``benchmarks/host_syncs.py`` at a small size: the published heads' training
-    step waits 9 times (torchvision's heads: 49) and launches fewer kernels in the heads."""
+    step waits 9 times (torchvision's heads: 61, blocking copies of Python data included) and
+    launches fewer kernels in the heads."""
     ours = host_syncs.count_step("vtdense", (128, 192))
     theirs = host_syncs.count_step("vtdense torchvision-heads", (128, 192))
     waits = sum(ours["waits"].values())
@@ -220,9 +221,50 @@ def test_box_coder_keeps_one_weights_tensor_and_encodes_as_torchvision() -> None
     props = torch.rand(50, 4, generator=g).cumsum(1) * 40
     ours, theirs = CachedWeightsBoxCoder((10.0, 10.0, 5.0, 5.0)), BoxCoder((10.0, 10.0, 5.0, 5.0))
     assert torch.equal(ours.encode([gt], [props])[0], theirs.encode([gt], [props])[0])
-    weights = ours._weights[(torch.float32, gt.device, False)]
+    weights = ours._device_constants[("weights", torch.float32, gt.device, False)]
     ours.encode([gt[:3]], [props[:3]])
-    assert ours._weights[(torch.float32, gt.device, False)] is weights and len(ours._weights) == 1
+    assert ours._device_constants[("weights", torch.float32, gt.device, False)] is weights
+    assert len(ours._device_constants) == 1
+
+
+def test_box_coder_decodes_as_torchvision_without_copying_a_constant() -> None:
+    """``decode`` gives torchvision's boxes bit for bit, the clamp of large size deltas included, and
+    makes no tensor from Python data (torchvision copies a ``0.5`` to the device in every call)."""
+    from torchvision.models.detection._utils import BoxCoder
+
+    from vtdense.models.rcnn_waits import CachedWeightsBoxCoder
+
+    g = torch.Generator().manual_seed(7)
+    anchors = [torch.rand(40, 4, generator=g).cumsum(1) * 50, torch.rand(30, 4, generator=g).cumsum(1) * 50]
+    deltas = torch.randn(70, 4 * 3, generator=g) * 3
+    deltas[:5, 2::4] = 40.0  # past the clip: exp would overflow without it
+    for weights in ((1.0, 1.0, 1.0, 1.0), (10.0, 10.0, 5.0, 5.0)):
+        ours, theirs = CachedWeightsBoxCoder(weights), BoxCoder(weights)
+        with host_syncs.HostWaits() as mode, mode.host_reads():
+            got = ours.decode(deltas, anchors)
+        assert got.shape == (70, 3, 4) and torch.equal(got, theirs.decode(deltas, anchors))
+        assert torch.isfinite(got).all() and sum(mode.waits.values()) == 0, mode.wait_ops
+        with host_syncs.HostWaits() as mode, mode.host_reads():
+            theirs.decode(deltas, anchors)
+        assert mode.wait_ops == {"other forward: tensor from host data": 2}  # the counter sees torchvision's
+
+
+def test_no_resize_transform_normalizes_as_torchvision_with_one_mean_tensor() -> None:
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+
+    from vtdense.models.detection import NoResizeTransform
+
+    ours = NoResizeTransform(size_divisible=32)
+    theirs = GeneralizedRCNNTransform(1, 1, ours.image_mean, ours.image_std)
+    image = torch.rand(3, 20, 30, generator=torch.Generator().manual_seed(8))
+    first = ours.normalize(image)  # makes the mean and std tensors
+    with host_syncs.HostWaits() as mode, mode.host_reads():
+        second = ours.normalize(image * 0.5)
+    assert torch.equal(first, theirs.normalize(image)) and torch.equal(second, theirs.normalize(image * 0.5))
+    assert sum(mode.waits.values()) == 0, mode.wait_ops  # torchvision copies both to the device again
+    assert len(ours._device_constants) == 2  # mean and std, made once
+    with pytest.raises(TypeError, match="floating"):
+        ours.normalize(torch.zeros(3, 4, 4, dtype=torch.uint8))
 
 
 def test_anchor_generator_keeps_its_last_sizes_and_builds_torchvisions_anchors() -> None:

@@ -35,7 +35,7 @@ from vtdense.layers.cpu_linear import apply_linear
 from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.models.mask_rois import check_mask_rois_multiple, pad_mask_rois
 from vtdense.models.paste_masks import paste_masks
-from vtdense.models.rcnn_waits import reduce_host_waits
+from vtdense.models.rcnn_waits import device_constant, reduce_host_waits
 
 __all__ = [
     "HEADS",
@@ -79,6 +79,16 @@ class NoResizeTransform(GeneralizedRCNNTransform):
         super().__init__(
             min_size=1, max_size=1, image_mean=list(image_mean), image_std=list(image_std), size_divisible=size_divisible
         )
+
+    def normalize(self, image: Tensor) -> Tensor:
+        """``(C, H, W)`` float image in 0..1 -> ``(image - mean) / std``, torchvision's arithmetic with
+        the mean and std kept on the image's device (torchvision copies them there for every image: two
+        blocking copies per image on a GPU)."""
+        if not image.is_floating_point() or fresh_tables(image.device):
+            return super().normalize(image)
+        mean = device_constant(self, "image_mean", image.dtype, image.device)
+        std = device_constant(self, "image_std", image.dtype, image.device)
+        return (image - mean[:, None, None]) / std[:, None, None]
 
     def resize(
         self, image: Tensor, target: dict[str, Tensor] | None = None

@@ -46,6 +46,8 @@ torchvision's own code. :func:`reduce_host_waits` installs these on a torchvisio
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, BoxCoder, Matcher, encode_boxes
@@ -120,8 +122,8 @@ class CountingSampler(BalancedPositiveNegativeSampler):
             perm2 = torch.randperm(n_negative, device=m.device)[:n_neg]
             pos_mask = torch.zeros_like(m, dtype=torch.uint8)
             neg_mask = torch.zeros_like(m, dtype=torch.uint8)
-            pos_mask[pos_idx[perm1]] = 1
-            neg_mask[neg_idx[perm2]] = 1
+            pos_mask.index_fill_(0, pos_idx[perm1], 1)  # not `[idx] = 1`: that copies the 1 to the device
+            neg_mask.index_fill_(0, neg_idx[perm2], 1)
             pos_masks.append(pos_mask)
             neg_masks.append(neg_mask)
             num_pos.append(n_pos)
@@ -146,11 +148,33 @@ class CachedWeightsBoxCoder(BoxCoder):
         device, dtype = reference_boxes.device, reference_boxes.dtype
         if fresh_tables(device):
             return super().encode_single(reference_boxes, proposals)
-        cache = self.__dict__.setdefault("_weights", {})
-        key = (dtype, device, torch.is_inference_mode_enabled())
-        if key not in cache:
-            cache[key] = torch.as_tensor(self.weights, dtype=dtype, device=device)
-        return encode_boxes(reference_boxes, proposals, cache[key])
+        return encode_boxes(reference_boxes, proposals, device_constant(self, "weights", dtype, device))
+
+    def decode_single(self, rel_codes: Tensor, boxes: Tensor) -> Tensor:
+        """``(N, 4 * K)`` deltas and ``(N, 4)`` reference boxes -> ``(N, 4 * K)`` boxes: torchvision's
+        arithmetic, op for op, with the half-size factor a Python number where torchvision copies a
+        ``0.5`` to the device (a blocking copy) in every call."""
+        boxes = boxes.to(rel_codes.dtype)
+        wx, wy, ww, wh = self.weights
+        width, height = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+        centre_x = (boxes[:, 0] + 0.5 * width)[:, None]
+        centre_y = (boxes[:, 1] + 0.5 * height)[:, None]
+        new_x = rel_codes[:, 0::4] / wx * width[:, None] + centre_x
+        new_y = rel_codes[:, 1::4] / wy * height[:, None] + centre_y
+        half_w = 0.5 * (torch.exp(torch.clamp(rel_codes[:, 2::4] / ww, max=self.bbox_xform_clip)) * width[:, None])
+        half_h = 0.5 * (torch.exp(torch.clamp(rel_codes[:, 3::4] / wh, max=self.bbox_xform_clip)) * height[:, None])
+        return torch.stack((new_x - half_w, new_y - half_h, new_x + half_w, new_y + half_h), dim=2).flatten(1)
+
+
+def device_constant(owner: Any, name: str, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``owner.<name>`` (a sequence of Python numbers) as a 1-D tensor of ``dtype`` on ``device``,
+    made once and kept on ``owner`` (per dtype, device and inference mode): making it in every call
+    is a blocking host-to-device copy on a GPU. Not for use while :func:`fresh_tables` holds."""
+    cache = owner.__dict__.setdefault("_device_constants", {})
+    key = (name, dtype, device, torch.is_inference_mode_enabled())
+    if key not in cache:
+        cache[key] = torch.as_tensor(getattr(owner, name), dtype=dtype, device=device)
+    return cache[key]
 
 
 def _fastrcnn_loss(class_logits: Tensor, box_regression: Tensor, labels: list[Tensor], regression_targets: list[Tensor],
