@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vtdense.layers.cpu_linear import cpu_matmul
+from vtdense.layers.flat_cast import cast_once
 from vtdense.layers.tracing import tracing
 
 __all__ = ["Backbone", "run_blocks"]
@@ -23,10 +24,12 @@ __all__ = ["Backbone", "run_blocks"]
 def run_blocks(blocks: Iterable[nn.Module], x: Tensor, grad_checkpointing: bool = False) -> Tensor:
     """Apply ``blocks`` in order; with ``grad_checkpointing`` (and grads enabled) each block's
     activations are recomputed in backward instead of stored."""
-    for block in blocks:
-        if grad_checkpointing and torch.is_grad_enabled():
+    if grad_checkpointing and torch.is_grad_enabled():
+        for block in blocks:
             x = checkpoint(block, x, use_reentrant=False)
-        else:
+        return x
+    for block in blocks:
+        with cast_once(block):  # training under CUDA autocast: the block's linear weights cast in one kernel
             x = block(x)
     return x
 
