@@ -21,9 +21,7 @@ Contender names:
   CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU), ``vtdense
   triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on),
   ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back and
-  no anchors kept across steps, ``host_syncs.torchvision_heads``: what the host-wait changes save, timed),
-  ``vtdense layer-casts`` (training under CUDA autocast with each linear weight cast on its own, as
-  autocast does, instead of a block's in one kernel: :func:`vtdense.layers.flat_cast.set_flat_casts`);
+  no anchors kept across steps, ``host_syncs.torchvision_heads``: what the host-wait changes save, timed);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
 - ``torchvision``: ``swin_t`` / ``swin_v2_t`` feature extractors, and for the detector rows
@@ -103,7 +101,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
     family = case["family"]
     base = contender
     for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm", " aten-norm", " fn-recompute",
-                   " triton-train", " torchvision-heads", " layer-casts"):
+                   " triton-train", " torchvision-heads"):
         base = base.replace(suffix, "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
@@ -224,12 +222,6 @@ def _triton_train() -> contextlib.AbstractContextManager:
     return triton_norm_training(True)
 
 
-def _layer_casts() -> contextlib.AbstractContextManager:
-    from vtdense.layers.flat_cast import flat_casts
-
-    return flat_casts(False)
-
-
 def _aten_norm() -> contextlib.AbstractContextManager:
     from vtdense.layers.fused_norm import triton_norm
 
@@ -251,8 +243,7 @@ def _fn_recompute() -> Iterator[None]:
 
 #: contender suffix -> the process-wide setting its steps run under
 _SETTINGS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " triton-train": _triton_train, " unfused": unfused, " fn-recompute": _fn_recompute,
-    " layer-casts": _layer_casts}
+    " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " triton-train": _triton_train, " unfused": unfused, " fn-recompute": _fn_recompute}
 
 
 def _make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[], object]:

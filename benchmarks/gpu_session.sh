@@ -27,7 +27,7 @@
 #                                                        detector step's waits, as torch's sync debug mode reports them)
 #          gpu_check.log                                 the attention paths' errors (fp32 vs math and vs float64, bf16), no compile
 #          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (`vtdense aten-norm`, `vtdense
-#                                                        triton-norm`, `vtdense layer-casts`, `vtdense unfused` beside vtdense)
+#                                                        triton-norm`, `vtdense triton-train`, `vtdense unfused` beside vtdense)
 #          compiled.log, RESULTS-compiled.md             Swin-T train step, both compiled;
 #                                                   Mask R-CNN bf16 with compile_backbone (as far as the time goes)
 # Each step's failure is logged and the next step still runs; the exit status is the first failure's.

@@ -140,7 +140,7 @@ def cases() -> list[dict[str, Any]]:
         c("MViTv2-T inference, batch 64 at 224, bf16", "mvitv2_t", "infer", 64, (224, 224),
           ["vtdense", "vtdense triton-norm", "vtdense aten-norm", "vtdense compiled", "timm", "timm compiled"], tier="quick", parity=True, **g),
         c("Swin-T train step, batch 8 at 512x768, bf16", "swin_t", "train", 8, (512, 768),
-          ["vtdense", "vtdense layer-casts", "vtdense triton-train", "vtdense ckpt", "vtdense unfused", "timm", "timm fused"], **g),
+          ["vtdense", "vtdense triton-train", "vtdense fn-recompute", "vtdense ckpt", "vtdense unfused", "timm", "timm fused"], **g),
         c("SwinV2-T train step, batch 8 at 512x768, bf16", "swinv2_t", "train", 8, (512, 768), ["vtdense", "vtdense fn-recompute", "vtdense ckpt", "timm"], **g),
         c("MViTv2-T (windows 56) train step, batch 8 at 512x768, bf16", "mvitv2_t", "train", 8, (512, 768),
           ["vtdense", "vtdense bias", "vtdense ckpt"], mvit_window=56, **g),
@@ -157,7 +157,7 @@ def cases() -> list[dict[str, Any]]:
         c("Mask R-CNN CPU demo train step (AdamW), batch 4 at 128x192", "maskrcnn_demo", "train", 4, (128, 192), ["vtdense"],
           device="cuda"),
         c("Mask R-CNN published heads train step (AdamW), batch 2 at 800x1333, bf16", "maskrcnn", "train", 2, (800, 1333),
-          ["vtdense", "vtdense layer-casts", "vtdense torchvision-heads", "vtdense unfused", "torchvision"], **g),
+          ["vtdense", "vtdense torchvision-heads", "vtdense triton-train", "vtdense unfused", "torchvision"], **g),
         c("Mask R-CNN published heads train step (AdamW), batch 2 at 800x1333, TF32", "maskrcnn", "train", 2, (800, 1333),
           ["vtdense", "vtdense torchvision-heads", "torchvision"], device="cuda"),
         # Last, so that their compiles (a minute or more each) cannot crowd out the rows above.

@@ -15,7 +15,6 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vtdense.layers.cpu_linear import cpu_matmul
-from vtdense.layers.flat_cast import cast_once
 from vtdense.layers.tracing import tracing
 
 __all__ = ["Backbone", "run_blocks"]
@@ -24,12 +23,10 @@ __all__ = ["Backbone", "run_blocks"]
 def run_blocks(blocks: Iterable[nn.Module], x: Tensor, grad_checkpointing: bool = False) -> Tensor:
     """Apply ``blocks`` in order; with ``grad_checkpointing`` (and grads enabled) each block's
     activations are recomputed in backward instead of stored."""
-    if grad_checkpointing and torch.is_grad_enabled():
-        for block in blocks:
-            x = checkpoint(block, x, use_reentrant=False)
-        return x
     for block in blocks:
-        with cast_once(block):  # training under CUDA autocast: the block's linear weights cast in one kernel
+        if grad_checkpointing and torch.is_grad_enabled():
+            x = checkpoint(block, x, use_reentrant=False)
+        else:
             x = block(x)
     return x
 

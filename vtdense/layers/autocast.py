@@ -10,9 +10,7 @@ context exits:
 - every weight and bias is cast again in every forward. In inference (no gradient recorded) the
   weights do not change between forwards, so :func:`autocast_params` keeps their cast copies
   until they change: on the H200 a bf16 Swin-T forward at batch 64 runs at the pace of its host,
-  and its linear layers' casts were about 100 of its 331 ATen calls. In training, where the
-  weights change every step, :mod:`vtdense.layers.flat_cast` casts a stage's weights in one kernel
-  instead, and :func:`autocast_params` hands the layers those casts.
+  and its linear layers' casts were about 100 of its 331 ATen calls.
 """
 
 from __future__ import annotations
@@ -23,7 +21,6 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from vtdense.layers.flat_cast import flat_cast_of
 from vtdense.layers.tracing import cuda_graph_capturing, tracing
 
 __all__ = ["autocast_inputs", "autocast_params", "clear_autocast_params", "set_autocast_params_kept"]
@@ -98,11 +95,7 @@ def autocast_params(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor
     if torch.is_grad_enabled():
         if _casts:  # training (again): the copies validation kept would only take memory now
             clear_autocast_params()
-        cast = flat_cast_of(weight)  # training: the stage's weights cast in one kernel (flat_cast.cast_once)
-        if cast is None:
-            return weight, bias
-        cast_bias = None if bias is None else flat_cast_of(bias)
-        return cast, bias if cast_bias is None else cast_bias
+        return weight, bias
     if not _keep or cuda_graph_capturing(weight.device):
         return weight, bias
     dtype = torch.get_autocast_dtype(dev)

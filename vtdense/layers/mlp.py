@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vtdense.layers.autocast import autocast_params
 from vtdense.layers.chunked import row_slices, tracing
 from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
 from vtdense.layers.cpu_linear import apply_linear, mm, mm_tn
@@ -125,7 +124,7 @@ def gelu_linear(h: Tensor, linear: nn.Linear, inplace: bool = False) -> Tensor:
     if grad and _recompute and not tracing() and plain_linear(linear):
         if h.requires_grad and _via_hooks(h):
             return recomputed_input_linear(F.gelu, (h,), linear)
-        return _GeluLinear.apply(h, *autocast_params(linear.weight, linear.bias))  # (the block's one cast, if made)
+        return _GeluLinear.apply(h, linear.weight, linear.bias)
     if inplace and not tracing() and not (torch.is_grad_enabled() and h.requires_grad):
         return apply_linear(linear, torch.ops.aten.gelu_(h))
     return apply_linear(linear, F.gelu(h))
@@ -221,7 +220,7 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
             and plain_linear(linear)):
         if x.requires_grad and _via_hooks(x):
             return recomputed_input_linear(F.layer_norm, (x, x.shape[-1:], norm.weight, norm.bias, norm.eps), linear)
-        return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, *autocast_params(linear.weight, linear.bias))
+        return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     return apply_linear(linear, norm_for_linears(x, norm, linear))  # (CUDA bf16 inference: Triton)
 
 

@@ -27,8 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from vtdense.layers.autocast import autocast_params
-
 __all__ = ["recomputed_input_linear", "hooks_free", "plain_storage"]
 
 _push = torch._C._autograd._push_saved_tensors_default_hooks
@@ -127,9 +125,8 @@ def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.L
             return _Recipe(fn, args, amp, dtype, t)
         return t
 
-    weight, bias = autocast_params(linear.weight, linear.bias)  # (training: the stage's one cast, if made)
     _push(pack, _unpack)
     try:
-        return F.linear(a, weight, bias)
+        return F.linear(a, linear.weight, linear.bias)
     finally:
         _pop()
