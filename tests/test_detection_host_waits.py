@@ -221,9 +221,9 @@ def test_box_coder_keeps_one_weights_tensor_and_encodes_as_torchvision() -> None
     props = torch.rand(50, 4, generator=g).cumsum(1) * 40
     ours, theirs = CachedWeightsBoxCoder((10.0, 10.0, 5.0, 5.0)), BoxCoder((10.0, 10.0, 5.0, 5.0))
     assert torch.equal(ours.encode([gt], [props])[0], theirs.encode([gt], [props])[0])
-    weights = ours._device_constants[("weights", torch.float32, gt.device, False)]
+    weights = ours._device_constants[("weights", torch.float32, gt.device, False)][1]
     ours.encode([gt[:3]], [props[:3]])
-    assert ours._device_constants[("weights", torch.float32, gt.device, False)] is weights
+    assert ours._device_constants[("weights", torch.float32, gt.device, False)][1] is weights
     assert len(ours._device_constants) == 1
 
 
@@ -263,6 +263,9 @@ def test_no_resize_transform_normalizes_as_torchvision_with_one_mean_tensor() ->
     assert torch.equal(first, theirs.normalize(image)) and torch.equal(second, theirs.normalize(image * 0.5))
     assert sum(mode.waits.values()) == 0, mode.wait_ops  # torchvision copies both to the device again
     assert len(ours._device_constants) == 2  # mean and std, made once
+    ours.image_mean = theirs.image_mean = [0.5, 0.4, 0.3]  # numbers assigned later are followed
+    assert torch.equal(ours.normalize(image), theirs.normalize(image))
+    assert not torch.equal(ours.normalize(image), first)
     with pytest.raises(TypeError, match="floating"):
         ours.normalize(torch.zeros(3, 4, 4, dtype=torch.uint8))
 

@@ -168,13 +168,16 @@ class CachedWeightsBoxCoder(BoxCoder):
 
 def device_constant(owner: Any, name: str, dtype: torch.dtype, device: torch.device) -> Tensor:
     """``owner.<name>`` (a sequence of Python numbers) as a 1-D tensor of ``dtype`` on ``device``,
-    made once and kept on ``owner`` (per dtype, device and inference mode): making it in every call
-    is a blocking host-to-device copy on a GPU. Not for use while :func:`fresh_tables` holds."""
+    made once and kept on ``owner`` (per values, dtype, device and inference mode, so that numbers
+    assigned later are followed): making it in every call is a blocking host-to-device copy on a
+    GPU. Not for use while :func:`fresh_tables` holds."""
+    values = tuple(getattr(owner, name))
     cache = owner.__dict__.setdefault("_device_constants", {})
     key = (name, dtype, device, torch.is_inference_mode_enabled())
-    if key not in cache:
-        cache[key] = torch.as_tensor(getattr(owner, name), dtype=dtype, device=device)
-    return cache[key]
+    hit = cache.get(key)
+    if hit is None or hit[0] != values:
+        hit = cache[key] = (values, torch.as_tensor(values, dtype=dtype, device=device))
+    return hit[1]
 
 
 def _fastrcnn_loss(class_logits: Tensor, box_regression: Tensor, labels: list[Tensor], regression_targets: list[Tensor],
