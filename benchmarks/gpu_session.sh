@@ -24,7 +24,9 @@
 #   focus: checks.log                                    benchmarks/triton_norm_check.py (the bf16 LayerNorm kernel),
 #                                                        recompute_check.py (training's recomputation forms, the Triton
 #                                                        LayerNorm in training among them) and host_syncs.py --cuda (the
-#                                                        detector step's waits, as torch's sync debug mode reports them)
+#                                                        detector step's waits, as torch's sync debug mode reports them),
+#                                                        host_split.py (the host's ms per forward, backward and optimizer
+#                                                        of the Swin-T and detector training steps, unprofiled)
 #          gpu_check.log                                 the attention paths' errors (fp32 vs math and vs float64, bf16), no compile
 #          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (`vtdense aten-norm`, `vtdense
 #                                                        triton-norm`, `vtdense triton-train`, `vtdense unfused` beside vtdense)
@@ -82,7 +84,8 @@ elif [ "$mode" = focus ]; then
     # One log for the three checks (a device call returns at most 8 files); each keeps its own limit.
     step checks bash -c 'rc=0
         for c in "60 benchmarks/triton_norm_check.py --device cuda" "90 benchmarks/recompute_check.py --device cuda" \
-                 "60 benchmarks/host_syncs.py --cuda"; do
+                 "60 benchmarks/host_syncs.py --cuda" "60 benchmarks/host_split.py --device cuda --case swin" \
+                 "90 benchmarks/host_split.py --device cuda --case maskrcnn"; do
             set -- $c; t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" || rc=$?
         done; exit $rc'
     step bench timeout 190 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 140
