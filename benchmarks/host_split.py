@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p.add_argument("--case", default="swin", choices=sorted(CASES))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--sync", action="store_true", help="wait for the device after every phase")
-    p.add_argument("--tiny", action="store_true", help="a small batch and size (the test's)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a small batch and size (the test's; torchvision's detector still resizes to its own 800 pixels)")
     args = p.parse_args(argv)
     case, contenders = CASES[args.case]
     case = {**case, **(TINY[args.case] if args.tiny else {})}
