@@ -14,7 +14,9 @@ instead, giving each phase's full time.
 
 Contenders: ``vtdense``, ``vtdense unfused`` (no training recomputation) and ``timm fused`` for Swin-T
 (batch 8 at 512x768, bf16 on CUDA); ``vtdense``, ``vtdense unfused`` and ``torchvision`` for the published Mask R-CNN
-(batch 2 at 800x1333). Medians in ms per step; AdamW (vtdense's tasks' optimizer) for both cases.
+(batch 2 at 800x1333). ``--contenders`` names others: any of ``benchmarks/contenders.py``'s, and a
+`` compiled`` suffix (the Swin-T model compiled whole; the detector's backbone as ``compile_backbone`` does,
+the compile inside the warm-up steps). Medians in ms per step; AdamW (vtdense's tasks' optimizer) for both cases.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def _phases(contender: str, case: dict[str, Any], device: str) -> tuple[Callable
 
     torch.manual_seed(0)
     model = build_model(contender, case).to(device).train()
+    if contender.endswith(" compiled") and case["family"].startswith("maskrcnn"):
+        from vtdense.models.compile import compile_backbone
+
+        compile_backbone(model, "inductor")  # as DetectionTask(compile_backbone=true): the heads stay eager
+    elif contender.endswith(" compiled"):
+        model = torch.compile(model)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw([{"params": params}], lr=1e-4, weight_decay=0.05)
     if case["family"].startswith("maskrcnn"):
@@ -122,6 +130,8 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--case", default="swin", choices=sorted(CASES))
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--contenders", nargs="+", help="instead of the case's (e.g. 'vtdense compiled': the detector's "
+                   "backbone compiled as compile_backbone does, the Swin-T model compiled whole)")
     p.add_argument("--sync", action="store_true", help="wait for the device after every phase")
     p.add_argument("--tiny", action="store_true",
                    help="a small batch and size (the test's; torchvision's detector still resizes to its own 800 pixels)")
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     case = {**case, **(TINY[args.case] if args.tiny else {})}
     if not args.device.startswith("cuda"):
         case = {**case, "dtype": "fp32"}
-    results = {c: split_step(c, case, args.device, args.steps, sync=args.sync) for c in contenders}
+    results = {c: split_step(c, case, args.device, args.steps, sync=args.sync) for c in args.contenders or contenders}
     cols = [*PHASES, "step"] + (["device"] if args.device.startswith("cuda") else [])
     print(f"{args.case}, {case['batch']} at {case['size'][0]}x{case['size'][1]}, {case['dtype']}, {args.device}"
           f"{', synchronised after each phase' if args.sync else ''}: median ms per step")
