@@ -20,7 +20,8 @@ Contender names:
   fn-recompute`` (training's recomputation through the autograd functions with a Python backward, the
   CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU), ``vtdense
   triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on),
-  ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back and
+  ``vtdense rc-all`` (training's recomputation in every layer, ``min_bytes=0``, where the default
+  recomputes only layers whose activation has at least 16 MiB off the CPU), ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back and
   no anchors kept across steps, ``host_syncs.torchvision_heads``: what the host-wait changes save, timed);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;
@@ -101,7 +102,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
     family = case["family"]
     base = contender
     for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm", " aten-norm", " fn-recompute",
-                   " triton-train", " torchvision-heads"):
+                   " triton-train", " torchvision-heads", " rc-all"):
         base = base.replace(suffix, "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
@@ -241,9 +242,17 @@ def _fn_recompute() -> Iterator[None]:
         mlp._set_recompute_form("auto")
 
 
+def _recompute_all() -> contextlib.AbstractContextManager:
+    """Training's recomputation in every layer, however small its activation (``min_bytes=0``)."""
+    from vtdense.layers.mlp import activation_recompute
+
+    return activation_recompute(True, min_bytes=0)
+
+
 #: contender suffix -> the process-wide setting its steps run under
 _SETTINGS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " triton-train": _triton_train, " unfused": unfused, " fn-recompute": _fn_recompute}
+    " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " triton-train": _triton_train, " unfused": unfused, " fn-recompute": _fn_recompute,
+    " rc-all": _recompute_all}
 
 
 def _make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[], object]:

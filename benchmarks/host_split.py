@@ -16,7 +16,8 @@ Contenders: ``vtdense``, ``vtdense unfused`` (no training recomputation) and ``t
 (batch 8 at 512x768, bf16 on CUDA); ``vtdense``, ``vtdense unfused`` and ``torchvision`` for the published Mask R-CNN
 (batch 2 at 800x1333). ``--contenders`` names others: any of ``benchmarks/contenders.py``'s, and a
 `` compiled`` suffix (the Swin-T model compiled whole; the detector's backbone as ``compile_backbone`` does,
-the compile inside the warm-up steps). Medians in ms per step; AdamW (vtdense's tasks' optimizer) for both cases.
+the compile inside the warm-up steps). Medians in ms per step (on CUDA also the peak of ``max_memory_allocated`` over the timed steps,
+model, gradients and optimizer state included); AdamW (vtdense's tasks' optimizer) for both cases.
 """
 
 from __future__ import annotations
@@ -94,8 +95,12 @@ def split_step(contender: str, case: dict[str, Any], device: str, steps: int = 3
             torch.cuda.synchronize()
 
     times: dict[str, list[float]] = {k: [] for k in (*PHASES, "step", "device")}
+    peak = None
     with setting() if setting is not None else contextlib.nullcontext():
         for i in range(warmup + steps):
+            if cuda and i == warmup:
+                wait()
+                torch.cuda.reset_peak_memory_stats()
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -122,7 +127,10 @@ def split_step(contender: str, case: dict[str, Any], device: str, steps: int = 3
                     end.synchronize()  # (after the step's host work was timed)
                     times["device"].append(start.elapsed_time(end))
     wait()
-    return {k: statistics.median(v) for k, v in times.items() if v}
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**20
+    out = {k: statistics.median(v) for k, v in times.items() if v}
+    return out if peak is None else {**out, "peak MiB": peak}
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -140,13 +148,14 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     case = {**case, **(TINY[args.case] if args.tiny else {})}
     if not args.device.startswith("cuda"):
         case = {**case, "dtype": "fp32"}
-    results = {c: split_step(c, case, args.device, args.steps, sync=args.sync) for c in args.contenders or contenders}
-    cols = [*PHASES, "step"] + (["device"] if args.device.startswith("cuda") else [])
+    cols = [*PHASES, "step"] + (["device", "peak MiB"] if args.device.startswith("cuda") else [])
     print(f"{args.case}, {case['batch']} at {case['size'][0]}x{case['size'][1]}, {case['dtype']}, {args.device}"
           f"{', synchronised after each phase' if args.sync else ''}: median ms per step")
-    print("| contender | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols))
-    for c, r in results.items():
-        print(f"| {c} | " + " | ".join(f"{r[k]:.2f}" for k in cols) + " |")
+    print("| contender | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols), flush=True)
+    results = {}
+    for c in args.contenders or contenders:  # each row as it is measured (a compile can outlast a time limit)
+        r = results[c] = split_step(c, case, args.device, args.steps, sync=args.sync)
+        print(f"| {c} | " + " | ".join(f"{r[k]:.2f}" for k in cols) + " |", flush=True)
     return results
 
 

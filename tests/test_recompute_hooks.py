@@ -7,6 +7,7 @@ input not kept by the graph, one remake per layer, and the autograd functions un
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import weakref
@@ -240,7 +241,7 @@ def test_on_the_gpu_path_the_norms_float32_copies_are_remade_too(monkeypatch) ->
 
     monkeypatch.setattr(recompute._Recipe, "__init__", init)
     model = _model()
-    with fake_cuda():
+    with fake_cuda(), mlp.activation_recompute(True, min_bytes=0):  # every layer, however small
         model = model.to("cuda")
         x = torch.empty(2, 3, 64, 96, device="cuda")
         with cuda_autocast(torch.bfloat16):
@@ -248,3 +249,52 @@ def test_on_the_gpu_path_the_norms_float32_copies_are_remade_too(monkeypatch) ->
     assert made.count("input") == 4 * 3 + 3
     # bf16 inputs: both pre-norms of the blocks of stages 2-4, and the norms of the last two mergings
     assert made.count("cast") == 3 * 2 + 2
+
+
+def test_off_the_cpu_only_layers_with_large_activations_recompute(monkeypatch) -> None:
+    """The default threshold (16 MiB of the activation a layer would free, in the linear's dtype):
+    Swin-T at batch 8 and 512x768 on fake CUDA tensors under bf16 autocast recomputes the pre-norms
+    of stages 1-2 (36 and 18 MiB), every GELU (144, 72, 36, 18 MiB), and the first two mergings'
+    norms (36, 18 MiB), but not the pre-norms of stages 3-4 (9, 4.5 MiB) nor the last merging's
+    (9 MiB). At 64x96 nothing reaches it; ``min_bytes=0`` recomputes all 39 layers; the CPU
+    ignores the threshold."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from launches import cuda_autocast, fake_cuda
+
+    made: list[int] = []
+    real_init = recompute._Recipe.__init__
+
+    def init(self, fn, *rest):
+        if fn is not recompute._same:
+            made.append(1)
+        real_init(self, fn, *rest)
+
+    monkeypatch.setattr(recompute._Recipe, "__init__", init)
+
+    def recipes(size: tuple[int, int], batch: int, device: str = "cuda", **setting) -> int:
+        made.clear()
+        torch.manual_seed(0)
+        model = vtdense.create_backbone("swin_tiny", out_norm=False, drop_path_rate=0.0).train()
+        with contextlib.ExitStack() as stack:
+            if device == "cuda":
+                stack.enter_context(fake_cuda())
+                model = model.to("cuda")
+                stack.enter_context(cuda_autocast(torch.bfloat16))
+            if setting:
+                stack.enter_context(mlp.activation_recompute(True, **setting))
+            model(torch.empty(batch, 3, *size, device=device))
+        return len(made)
+
+    assert mlp._min_bytes == 16 << 20
+    assert recipes((512, 768), 8) == 2 * 3 + 1 + 2 * 3 + 1 + 6 + 2
+    assert recipes((64, 96), 1) == 0
+    assert recipes((64, 96), 1, min_bytes=0) == 12 * 3 + 3
+    assert recipes((512, 768), 8, min_bytes=0) == 12 * 3 + 3
+    assert mlp._min_bytes == 16 << 20  # restored
+    with pytest.raises(ValueError, match="min_bytes must be >= 0"):
+        mlp.set_activation_recompute(True, min_bytes=-1)
+    mlp._set_recompute_form("hooks")  # the CPU ignores the threshold: a small model recomputes every layer
+    try:
+        assert recipes((64, 96), 1, device="cpu") == 12 * 3 + 3
+    finally:
+        mlp._set_recompute_form("auto")

@@ -22,6 +22,9 @@ from vtdense.layers.scoped import scoped_setting
 __all__ = ["plain_linear", "Mlp", "gelu_linear", "norm_linear", "set_activation_recompute", "activation_recompute"]
 
 _recompute = True
+#: Off the CPU, layers whose recomputable activation is smaller than this keep it (see
+#: :func:`set_activation_recompute`); 0 recomputes every layer.
+_min_bytes = 16 << 20
 #: How the recomputation is made: ``"auto"`` (saved-tensor hooks off the CPU, the autograd
 #: functions on it, whose backward uses the CPU's oneDNN matmuls), ``"hooks"`` or ``"function"``.
 _form = "auto"
@@ -46,7 +49,20 @@ def _via_hooks(x: Tensor) -> bool:
     return hooks_free()
 
 
-def set_activation_recompute(enabled: bool) -> None:
+def _worth_recomputing(x: Tensor, width: int, dtype: torch.dtype | None = None) -> bool:
+    """Whether the activation the recomputation would free, ``x``'s rows at ``width`` channels in
+    ``dtype`` (default: autocast's for ``x``'s device where it is on, else ``x``'s), is at least
+    :data:`_min_bytes`; always on the CPU."""
+    dev = x.device.type
+    if dev == "cpu" or not _min_bytes:
+        return True
+    if dtype is None:
+        amp = dev == "cuda" and torch.is_autocast_enabled(dev)
+        dtype = torch.get_autocast_dtype(dev) if amp else x.dtype
+    return (x.numel() // max(x.shape[-1], 1)) * width * dtype.itemsize >= _min_bytes
+
+
+def set_activation_recompute(enabled: bool, *, min_bytes: int | None = None) -> None:
     """Training, every vtdense backbone: whether ``norm -> linear`` and ``GELU -> linear`` keep only
     their input for the backward pass and recompute the norm or the GELU there (``True``, the
     default), or keep what plain autograd keeps (``False``).
@@ -61,14 +77,26 @@ def set_activation_recompute(enabled: bool) -> None:
     37-47 ms per step with it, 4.1 GB and 31-36 ms without (timm with fused attention: 4.0 GB,
     33-39 ms); the two forms measured the same time. Turn it off where GPU memory is plentiful.
     Results are the same either way (to float rounding). Graphs (``torch.compile``, export) always take the plain form. The CPU's chunked
-    training paths (:func:`vtdense.layers.chunked.set_cpu_chunking`) recompute on their own."""
-    global _recompute
+    training paths (:func:`vtdense.layers.chunked.set_cpu_chunking`) recompute on their own.
+
+    ``min_bytes`` (``None``: leave as set; default 16 MiB): off the CPU, a layer recomputes only
+    where the activation it would free (the normalised copy or the GELU output, in the dtype the
+    linear runs in) has at least this many bytes; ``0`` recomputes every layer. Each recomputed
+    layer costs the host about the same time whatever its size, while the bytes it saves grow with
+    the image: at 16 MiB, Swin-T at batch 8 and 512x768 recomputes its first two stages whole and
+    the GELUs of the last two, which hold most of the bytes, and a small image recomputes nothing."""
+    global _recompute, _min_bytes
     _recompute = bool(enabled)
+    if min_bytes is not None:
+        if int(min_bytes) < 0:
+            raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+        _min_bytes = int(min_bytes)
 
 
-def activation_recompute(enabled: bool) -> contextlib.AbstractContextManager[None]:
-    """Context-manager form of :func:`set_activation_recompute`."""
-    return scoped_setting(lambda: _recompute, set_activation_recompute, enabled)
+def activation_recompute(enabled: bool, *, min_bytes: int | None = None) -> contextlib.AbstractContextManager[None]:
+    """Context-manager form of :func:`set_activation_recompute` (restores both settings)."""
+    return scoped_setting(lambda: (_recompute, _min_bytes), lambda v: set_activation_recompute(v[0], min_bytes=v[1]),
+                          (enabled, _min_bytes if min_bytes is None else min_bytes))
 
 
 def _compute_weight(weight: Tensor) -> Tensor:
@@ -121,7 +149,7 @@ def gelu_linear(h: Tensor, linear: nn.Linear, inplace: bool = False) -> Tensor:
     which may then be overwritten by its GELU where no gradient flows through it (inference: one
     hidden-width tensor less at the peak). ``h``: ``(..., in)`` -> ``(..., out)``."""
     grad = torch.is_grad_enabled() and (h.requires_grad or linear.weight.requires_grad)
-    if grad and _recompute and not tracing() and plain_linear(linear):
+    if grad and _recompute and not tracing() and plain_linear(linear) and _worth_recomputing(h, h.shape[-1], h.dtype):
         if h.requires_grad and _via_hooks(h):
             return recomputed_input_linear(F.gelu, (h,), linear)
         return _GeluLinear.apply(h, linear.weight, linear.bias)
@@ -217,7 +245,7 @@ def norm_linear(x: Tensor, norm: nn.LayerNorm, linear: nn.Linear) -> Tensor:
         # runs with the recomputation switched off
         return triton_norm_linear(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)
     if (_recompute and torch.is_grad_enabled() and not tracing() and plain_layer_norm(norm)
-            and plain_linear(linear)):
+            and plain_linear(linear) and _worth_recomputing(x, x.shape[-1])):
         if x.requires_grad and _via_hooks(x):
             return recomputed_input_linear(F.layer_norm, (x, x.shape[-1:], norm.weight, norm.bias, norm.eps), linear)
         return _NormLinear.apply(x, norm.weight, norm.bias, norm.eps, linear.weight, linear.bias)

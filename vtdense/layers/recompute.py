@@ -61,9 +61,26 @@ class _Recipe:
         if self.amp is None:
             out = self.fn(*self.args)
         else:
-            with torch.autocast(self.amp[0], dtype=self.amp[1]):
-                out = self.fn(*self.args)
+            out = _under_autocast(self.amp, self.fn, self.args)
         return out.to(self.dtype).as_strided(self.size, self.stride, self.offset)
+
+
+def _under_autocast(amp: tuple, fn: Callable[..., Tensor], args: tuple) -> Tensor:
+    """``fn(*args)`` under autocast ``amp`` (device type, dtype), as ``torch.autocast`` would run it,
+    through the state setters alone: ``torch.autocast("cuda")`` asks the CUDA runtime about the
+    device on every entry, which the backward would pay once per remake."""
+    dev, dtype = amp
+    prev = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+    torch.set_autocast_enabled(dev, True)
+    torch.set_autocast_dtype(dev, dtype)
+    torch.autocast_increment_nesting()
+    try:
+        return fn(*args)
+    finally:
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+        torch.set_autocast_enabled(dev, prev[0])
+        torch.set_autocast_dtype(dev, prev[1])
 
 
 def _unpack(saved: Any) -> Tensor:
