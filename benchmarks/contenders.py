@@ -21,7 +21,7 @@ Contender names:
   CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU), ``vtdense
   triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on),
   ``vtdense rc-all`` (training's recomputation in every layer, ``min_bytes=0``, where the default
-  recomputes only layers whose activation has at least 16 MiB off the CPU), ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back and
+  recomputes only layers whose activation has at least 8 MiB off the CPU), ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back and
   no anchors kept across steps, ``host_syncs.torchvision_heads``: what the host-wait changes save, timed);
 - ``timm``, ``timm fused`` (timm's Swin V1 with ``fused_attn`` switched on; timm has no fused path
   for Swin V2 or MViTv2), ``timm compiled``;

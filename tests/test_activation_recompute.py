@@ -134,3 +134,28 @@ def test_context_managers_restore_the_setting_when_the_block_raises() -> None:
         with attention.attention_backend("bogus"):
             pass
     assert attention.get_attention_backend() == "sdpa"
+
+
+def test_tasks_apply_the_threshold_and_refuse_a_negative_one() -> None:
+    """``--model.activation_recompute_min_bytes``: the tasks set the threshold of
+    :func:`vtdense.layers.mlp.set_activation_recompute` when the model is configured (``null``:
+    the default) and refuse a bad value when built, naming the option."""
+    from vtdense.tasks.detection import DetectionTask
+    from vtdense.tasks.segmentation import SegmentationTask
+
+    tiny = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
+    try:
+        DetectionTask(backbone="swin_tiny", backbone_kwargs=tiny, num_classes=2, slim_heads=True,
+                      activation_recompute_min_bytes=0).configure_model()
+        assert mlp._min_bytes == 0 and mlp._recompute is True
+        SegmentationTask(arch="upernet", backbone="swin_tiny", backbone_kwargs=tiny, num_classes=3,
+                         activation_recompute_min_bytes=1 << 20).configure_model()
+        assert mlp._min_bytes == 1 << 20
+        DetectionTask(backbone="swin_tiny", backbone_kwargs=tiny, num_classes=2, slim_heads=True).configure_model()
+        assert mlp._min_bytes == mlp.DEFAULT_RECOMPUTE_MIN_BYTES  # the default puts it back
+        for bad in (-1, 1.5, True):
+            with pytest.raises(ValueError, match="activation_recompute_min_bytes"):
+                SegmentationTask(arch="upernet", backbone="swin_tiny", backbone_kwargs=tiny, num_classes=3,
+                                 activation_recompute_min_bytes=bad)
+    finally:
+        mlp.set_activation_recompute(True, min_bytes=mlp.DEFAULT_RECOMPUTE_MIN_BYTES)

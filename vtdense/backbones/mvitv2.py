@@ -64,7 +64,7 @@ from vtdense.layers.decomposed_attention import (
     decomposed_attention_chunked,
 )
 from vtdense.layers.drop import DropPath, residual
-from vtdense.layers.fused_norm import norm_for_linears
+from vtdense.layers.fused_norm import keep_out_of_auto, norm_for_linears
 from vtdense.layers.mlp import Mlp
 from vtdense.layers.cpu_linear import apply_linear, linear, packed_weights
 from vtdense.layers.plain import plain_linear, plain_module
@@ -326,7 +326,7 @@ class MultiScaleBlock(nn.Module):
         super().__init__()
         att_dim = dim_out if expand_attn else dim
         project = dim != dim_out
-        self.norm1 = _layer_norm(dim)
+        self.norm1 = keep_out_of_auto(_layer_norm(dim))  # the Triton LayerNorm measured slower here
         self.shortcut_proj_attn = nn.Linear(dim, dim_out) if project and expand_attn else None
         self.shortcut_pool_attn = (
             nn.MaxPool2d(stride_q + 1, stride_q, (stride_q + 1) // 2) if stride_q > 1 else None
@@ -344,7 +344,7 @@ class MultiScaleBlock(nn.Module):
             rel_pos_fold=rel_pos_fold,
         )
         self.drop_path1 = DropPath(drop_path)
-        self.norm2 = _layer_norm(att_dim)
+        self.norm2 = keep_out_of_auto(_layer_norm(att_dim))
         self.shortcut_proj_mlp = nn.Linear(dim, dim_out) if project and not expand_attn else None
         self.mlp = Mlp(att_dim, int(att_dim * mlp_ratio), dim_out)
         self.drop_path2 = DropPath(drop_path)

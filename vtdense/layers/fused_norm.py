@@ -43,7 +43,7 @@ from vtdense.layers.scoped import scoped_setting
 from vtdense.layers.tracing import tracing
 
 __all__ = ["set_triton_norm", "triton_norm", "triton_norm_applies", "layer_norm_bf16", "eager_layer_norm_bf16",
-           "norm_for_linears", "float_layer_norm"]
+           "norm_for_linears", "float_layer_norm", "keep_out_of_auto"]
 
 _enabled: bool | str = "auto"
 #: Widest row the kernel takes in one block.
@@ -54,6 +54,21 @@ _kernel: Any = None
 #: Why the kernel could not run on this machine (set by its first failure; PyTorch's ops run from then on).
 _failed: str | None = None
 _bf16_gpus: dict[int, bool] = {}
+
+
+#: Marks a norm that the ``"auto"`` mode leaves to PyTorch (:func:`keep_out_of_auto`).
+_AUTO_OFF = "_vtdense_triton_auto_off"
+
+
+def keep_out_of_auto(norm: nn.Module) -> nn.Module:
+    """Leave ``norm`` to PyTorch's LayerNorm in the ``"auto"`` mode (``True`` still takes it), and
+    return it. MViTv2's block norms are so marked: with the kernel on its large pre-norms, MViTv2-T's
+    bf16 inference at batch 64 measured slower on both GPUs it was timed on (H200: 14.8 against
+    13.8 ms; H100: 20.1 against 15.7 ms, ``benchmarks/RESULTS.md``) although its kernels took less
+    device time (24.2 against 27.5 ms per step under the profiler), a loss not yet explained; Swin's
+    norms, at the same sizes, gain."""
+    norm.__dict__[_AUTO_OFF] = True
+    return norm
 
 
 def set_triton_norm(enabled: bool | str) -> None:
@@ -229,13 +244,14 @@ def _(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tens
 
 def triton_norm_applies(x: Tensor, norm: nn.Module) -> bool:
     """Whether :func:`layer_norm_bf16` may stand in for ``norm(x)`` before a plain linear layer:
-    switched on (in ``"auto"`` mode: ``x`` has at least :data:`AUTO_MIN_ELEMENTS` values), CUDA
+    switched on (in ``"auto"`` mode: ``x`` has at least :data:`AUTO_MIN_ELEMENTS` values and ``norm``
+    is not marked by :func:`keep_out_of_auto`), CUDA
     inference under bf16 autocast (no gradient to record, no graph being built), ``norm`` a plain
     ``nn.LayerNorm`` over at most :data:`MAX_CHANNELS` channels, ``x`` float32 or bf16, Triton
     available, and the GPU one with bf16 arithmetic where the kernel has not failed before."""
     if not _enabled or x.device.type != "cuda" or x.dtype not in (torch.float32, torch.bfloat16) or tracing():
         return False  # (tracing first: a size test in a graph being built would guard on the size)
-    if _enabled == "auto" and x.numel() < AUTO_MIN_ELEMENTS:
+    if _enabled == "auto" and (x.numel() < AUTO_MIN_ELEMENTS or _AUTO_OFF in norm.__dict__):
         return False
     if not torch.is_autocast_enabled("cuda") or torch.get_autocast_dtype("cuda") != torch.bfloat16:
         return False

@@ -39,7 +39,7 @@ from torch.utils.data import DistributedSampler
 
 from vtdense.data.errors import SKIP_REPORT_NAME, read_skip_report, write_skip_report
 from vtdense.distributed import destroy_process_group_at_exit
-from vtdense.layers.mlp import set_activation_recompute
+from vtdense.layers.mlp import DEFAULT_RECOMPUTE_MIN_BYTES, set_activation_recompute
 from vtdense.models.compile import check_compile_option, compile_backbone, is_compiled
 from vtdense.tasks.fault import (
     NONFINITE_POLICIES,
@@ -112,6 +112,13 @@ class BaseTask(LightningModule):
         self._nonfinite_skipped = 0
 
     @staticmethod
+    def check_recompute_option(min_bytes: int | None) -> None:
+        """Validate ``activation_recompute_min_bytes`` (raises one ``ValueError`` naming the option)."""
+        if min_bytes is not None and (isinstance(min_bytes, bool) or int(min_bytes) != min_bytes or min_bytes < 0):
+            raise ValueError(f"activation_recompute_min_bytes must be a whole number of bytes >= 0 (0: every layer "
+                             f"recomputes; null: vtdense's default), got {min_bytes!r}")
+
+    @staticmethod
     def check_fault_options(nonfinite_loss: str, checkpoint_every_n_steps: int | None) -> None:
         """Validate the fault-tolerance options every task takes (raises one ``ValueError`` naming the option)."""
         if nonfinite_loss not in NONFINITE_POLICIES:
@@ -149,12 +156,14 @@ class BaseTask(LightningModule):
           the network, one FSDP unit per transformer block plus :meth:`fsdp_units`.
         - With the ``compile_backbone`` hyperparameter set, compile the backbone part in place for
           all input sizes (:func:`vtdense.models.compile.compile_backbone`).
-        - Apply the ``activation_recompute`` hyperparameter, process-wide
+        - Apply the ``activation_recompute`` and ``activation_recompute_min_bytes`` hyperparameters, process-wide
           (:func:`vtdense.layers.mlp.set_activation_recompute`).
 
         Idempotent.
         """
-        set_activation_recompute(bool(self.hparams.get("activation_recompute", True)))
+        min_bytes = self.hparams.get("activation_recompute_min_bytes")
+        set_activation_recompute(bool(self.hparams.get("activation_recompute", True)),
+                                 min_bytes=DEFAULT_RECOMPUTE_MIN_BYTES if min_bytes is None else int(min_bytes))
         if self.model is None:
             return
         shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None

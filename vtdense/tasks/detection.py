@@ -179,6 +179,7 @@ class DetectionTask(BaseTask):
         compile_backbone: bool | str = False,
         mask_rois_multiple: int | None = 32,
         activation_recompute: bool = True,
+        activation_recompute_min_bytes: int | None = None,
     ) -> None:
         """Initialise the task.
 
@@ -240,6 +241,9 @@ class DetectionTask(BaseTask):
                 (``false``: faster where the GPU step waits on the host; Swin-T at 512x768 on an
                 H200: 1.47x the step's peak memory, 0.84x its time). Process-wide (:func:`vtdense.layers.mlp.set_activation_recompute`), set when
                 the trainer builds the model.
+            activation_recompute_min_bytes: off the CPU, only layers whose recomputable activation has
+                at least this many bytes recompute (``null``: vtdense's default, 8 MiB; ``0``: every
+                layer). See :func:`vtdense.layers.mlp.set_activation_recompute`.
 
         Raises:
             ValueError: an unknown choice (the message names the option and lists the choices).
@@ -277,6 +281,7 @@ class DetectionTask(BaseTask):
             raise ValueError(f"size_divisibility must be a positive int (option 'size_divisibility'), got {size_divisibility!r}")
         check_mask_rois_multiple(mask_rois_multiple)
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
+        self.check_recompute_option(activation_recompute_min_bytes)
         check_compile_option(compile_backbone)
         self.save_hyperparameters()
         self.label_to_category_id: dict[int, int] = {}

@@ -107,6 +107,8 @@ class SegmentationTask(BaseTask):
             backward pass (``true``, less memory) or kept as plain autograd keeps them (``false``:
             faster where the GPU step waits on the host). Process-wide
             (:func:`vtdense.layers.mlp.set_activation_recompute`), set when the trainer builds the model.
+        activation_recompute_min_bytes: off the CPU, only layers whose recomputable activation has at
+            least this many bytes recompute (``null``: vtdense's default, 8 MiB; ``0``: every layer).
     """
 
     monitor = "val/mIoU"
@@ -145,9 +147,11 @@ class SegmentationTask(BaseTask):
         fused_optimizer: bool | None = None,
         compile_backbone: bool | str = False,
         activation_recompute: bool = True,
+        activation_recompute_min_bytes: int | None = None,
     ) -> None:
         super().__init__()
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
+        self.check_recompute_option(activation_recompute_min_bytes)
         check_compile_option(compile_backbone)
         self.save_hyperparameters()
         if arch.lower() not in ARCHITECTURES:
