@@ -21,12 +21,12 @@
 #   bench: results-cuda.json, RESULTS.md, bench.log   `benchmarks/run.py --device cuda --full` within BUDGET s
 #   all:   the files of both (8 in all, the most a device call returns), the last being
 #          profile.log                                   `benchmarks/profile_gpu.py --host --python`
-#   focus: checks.log                                    benchmarks/triton_norm_check.py (the bf16 LayerNorm kernel),
-#                                                        recompute_check.py (training's recomputation forms, the Triton
-#                                                        LayerNorm in training among them) and host_syncs.py --cuda (the
-#                                                        detector step's waits, as torch's sync debug mode reports them),
-#                                                        host_split.py (the host's ms per forward, backward and optimizer
-#                                                        of the Swin-T and detector training steps, unprofiled)
+#   focus: checks.log                                    benchmarks/recompute_cost.py (one recomputed layer's host and
+#                                                        device cost), host_syncs.py --cuda (the detector step's waits, as
+#                                                        torch's sync debug mode reports them), host_split.py (the host's
+#                                                        ms per forward, backward and optimizer of the Swin-T and detector
+#                                                        training steps, unprofiled, contenders interleaved; with every
+#                                                        layer recomputed, `rc-all`, and none, `unfused`)
 #          gpu_check.log                                 the attention paths' errors (fp32 vs math and vs float64, bf16), no compile
 #          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (`vtdense aten-norm`, `vtdense
 #                                                        triton-norm`, `vtdense triton-train`, `vtdense unfused` beside vtdense)
@@ -83,9 +83,9 @@ elif [ "$mode" = focus ]; then
     rows='^Swin-T inference, batch 64|^Swin-T train step, batch 8 at 512x768, bf16$|^MViTv2-T inference, batch 64|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
     # One log for the three checks (a device call returns at most 8 files); each keeps its own limit.
     step checks bash -c 'rc=0
-        for c in "60 benchmarks/triton_norm_check.py --device cuda" "90 benchmarks/recompute_check.py --device cuda" \
-                 "60 benchmarks/host_syncs.py --cuda" "60 benchmarks/host_split.py --device cuda --case swin" \
-                 "90 benchmarks/host_split.py --device cuda --case maskrcnn"; do
+        for c in "60 benchmarks/recompute_cost.py --device cuda --iters 100" "60 benchmarks/host_syncs.py --cuda" \
+                 "90 benchmarks/host_split.py --device cuda --case swin --contenders vtdense vtdense_rc-all vtdense_unfused timm_fused" \
+                 "120 benchmarks/host_split.py --device cuda --case maskrcnn --contenders vtdense vtdense_rc-all vtdense_unfused torchvision"; do
             set -- $c; t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" || rc=$?
         done; exit $rc'
     step bench timeout 190 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 140

@@ -16,8 +16,9 @@ Contenders: ``vtdense``, ``vtdense unfused`` (no training recomputation) and ``t
 (batch 8 at 512x768, bf16 on CUDA); ``vtdense``, ``vtdense unfused`` and ``torchvision`` for the published Mask R-CNN
 (batch 2 at 800x1333). ``--contenders`` names others: any of ``benchmarks/contenders.py``'s, and a
 `` compiled`` suffix (the Swin-T model compiled whole; the detector's backbone as ``compile_backbone`` does,
-the compile inside the warm-up steps). Medians in ms per step (on CUDA also the peak of ``max_memory_allocated`` over the timed steps,
-model, gradients and optimizer state included); AdamW (vtdense's tasks' optimizer) for both cases.
+the compile inside the warm-up steps). The contenders are timed in rounds of one step each (:func:`split_steps`). Medians in ms per step (on
+CUDA also each contender's peak MiB above what was allocated before it was built, its model, gradients and
+optimizer state included); AdamW (vtdense's tasks' optimizer) for both cases.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contenders import _SETTINGS, _autocast, _detection_batch, build_model, features  # noqa: E402
 
-__all__ = ["split_step", "main"]
+__all__ = ["split_steps", "main"]
 
 PHASES = ("forward", "backward", "optimizer")
 CASES: dict[str, tuple[dict[str, Any], tuple[str, ...]]] = {
@@ -82,55 +83,79 @@ def _phases(contender: str, case: dict[str, Any], device: str) -> tuple[Callable
     return forward, lambda loss: loss.backward(), optimizer
 
 
-def split_step(contender: str, case: dict[str, Any], device: str, steps: int = 30, warmup: int = 5,
-               sync: bool = False) -> dict[str, float]:
-    """Median host ms per phase of ``steps`` training steps of ``contender`` (after ``warmup``), the
-    median wall ms per step, and on CUDA the device's ms per step (events around each step)."""
-    setting = next((make for suffix, make in _SETTINGS.items() if suffix in contender), None)
-    forward, backward, optimizer = _phases(contender, case, device)
-    cuda = device.startswith("cuda")
+def _timed_step(phases: tuple, cuda: bool, sync: bool) -> dict[str, float]:
+    """One training step: host ms per phase and per step, and on CUDA the device's ms (events)."""
+    forward, backward, optimizer = phases
 
     def wait() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    times: dict[str, list[float]] = {k: [] for k in (*PHASES, "step", "device")}
-    peak = None
-    with setting() if setting is not None else contextlib.nullcontext():
-        for i in range(warmup + steps):
-            if cuda and i == warmup:
-                wait()
-                torch.cuda.reset_peak_memory_stats()
-            if cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-            t0 = time.perf_counter()
-            loss = forward()
-            if sync:
-                wait()
-            t1 = time.perf_counter()
-            backward(loss)
-            if sync:
-                wait()
-            t2 = time.perf_counter()
-            optimizer()
-            if sync:
-                wait()
-            t3 = time.perf_counter()
-            if cuda:
-                end.record()
-            if i >= warmup:
-                for name, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2)):
-                    times[name].append(dt * 1e3)
-                times["step"].append((t3 - t0) * 1e3)
-                if cuda:
-                    end.synchronize()  # (after the step's host work was timed)
-                    times["device"].append(start.elapsed_time(end))
-    wait()
     if cuda:
-        peak = torch.cuda.max_memory_allocated() / 2**20
-    out = {k: statistics.median(v) for k, v in times.items() if v}
-    return out if peak is None else {**out, "peak MiB": peak}
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    loss = forward()
+    if sync:
+        wait()
+    t1 = time.perf_counter()
+    backward(loss)
+    if sync:
+        wait()
+    t2 = time.perf_counter()
+    optimizer()
+    if sync:
+        wait()
+    t3 = time.perf_counter()
+    out = {name: dt * 1e3 for name, dt in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2))}
+    out["step"] = (t3 - t0) * 1e3
+    if cuda:
+        end.record()
+        end.synchronize()  # (after the step's host work was timed)
+        out["device"] = start.elapsed_time(end)
+    return out
+
+
+def split_steps(contenders: list[str], case: dict[str, Any], device: str, steps: int = 30, warmup: int = 5,
+                sync: bool = False, report: Callable[[str, dict[str, float]], None] | None = None
+                ) -> dict[str, dict[str, float]]:
+    """Median host ms per phase of ``steps`` training steps of each contender, the median host ms
+    per step, and on CUDA the device's ms per step and the peak MiB. The contenders are built one
+    after the other, each warmed up by ``warmup`` steps (a compile happens there), then timed in
+    rounds of one step each, so that a drift of the machine's pace over the run (seen on the H100:
+    the same contender 39 then 45 ms a step, minutes apart) falls on all of them alike. Peak MiB:
+    ``max_memory_allocated`` over the warm-up above what was allocated before the contender was
+    built (its weights, gradients, optimizer state and activations). ``report(name, row)`` is
+    called for each contender as its row is ready."""
+    cuda = device.startswith("cuda")
+    built: dict[str, tuple[tuple, Callable[[], contextlib.AbstractContextManager]]] = {}
+    peaks: dict[str, float] = {}
+    for c in contenders:
+        setting = next((make for suffix, make in _SETTINGS.items() if suffix in c), None) or contextlib.nullcontext
+        if cuda:
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        phases = _phases(c, case, device)
+        with setting():
+            for _ in range(warmup):
+                _timed_step(phases, cuda, sync)
+        if cuda:
+            peaks[c] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        built[c] = phases, setting
+    times: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
+    for _ in range(steps):
+        for c, (phases, setting) in built.items():
+            with setting():
+                times[c].append(_timed_step(phases, cuda, sync))
+    results = {}
+    for c, rows in times.items():
+        r = results[c] = {k: statistics.median(row[k] for row in rows) for k in rows[0]}
+        if cuda:
+            r["peak MiB"] = peaks[c]
+        if report is not None:
+            report(c, r)
+    return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
@@ -139,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p.add_argument("--case", default="swin", choices=sorted(CASES))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--contenders", nargs="+", help="instead of the case's (e.g. 'vtdense compiled': the detector's "
-                   "backbone compiled as compile_backbone does, the Swin-T model compiled whole)")
+                   "backbone compiled as compile_backbone does, the Swin-T model compiled whole); '_' stands for a space")
     p.add_argument("--sync", action="store_true", help="wait for the device after every phase")
     p.add_argument("--tiny", action="store_true",
                    help="a small batch and size (the test's; torchvision's detector still resizes to its own 800 pixels)")
@@ -152,11 +177,9 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     print(f"{args.case}, {case['batch']} at {case['size'][0]}x{case['size'][1]}, {case['dtype']}, {args.device}"
           f"{', synchronised after each phase' if args.sync else ''}: median ms per step")
     print("| contender | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols), flush=True)
-    results = {}
-    for c in args.contenders or contenders:  # each row as it is measured (a compile can outlast a time limit)
-        r = results[c] = split_step(c, case, args.device, args.steps, sync=args.sync)
-        print(f"| {c} | " + " | ".join(f"{r[k]:.2f}" for k in cols) + " |", flush=True)
-    return results
+    chosen = [c.replace("_", " ") for c in args.contenders] if args.contenders else list(contenders)
+    return split_steps(chosen, case, args.device, args.steps, sync=args.sync,
+                       report=lambda c, r: print(f"| {c} | " + " | ".join(f"{r[k]:.2f}" for k in cols) + " |", flush=True))
 
 
 if __name__ == "__main__":

@@ -19,3 +19,30 @@ def test_host_split_times_every_phase_of_every_contender(capsys) -> None:  # noq
         assert r["step"] >= max(r["forward"], r["backward"], r["optimizer"])
     table = capsys.readouterr().out
     assert "| vtdense unfused |" in table and "median ms per step" in table
+
+
+def test_host_split_takes_named_contenders_and_times_them_in_rounds(monkeypatch) -> None:  # noqa: ANN001
+    """``--contenders`` ('_' for a space) replaces the case's; the steps alternate between the
+    contenders after each one's warm-up (so a drift of the machine's pace falls on all alike)."""
+    order: list[str] = []
+    real = host_split._timed_step
+
+    def timed(phases, cuda, sync):  # noqa: ANN001, ANN202
+        order.append(names[id(phases)])
+        return real(phases, cuda, sync)
+
+    names: dict[int, str] = {}
+    real_phases = host_split._phases
+
+    def phases(contender, case, device):  # noqa: ANN001, ANN202
+        p = real_phases(contender, case, device)
+        names[id(p)] = contender
+        return p
+
+    monkeypatch.setattr(host_split, "_timed_step", timed)
+    monkeypatch.setattr(host_split, "_phases", phases)
+    results = host_split.main(["--device", "cpu", "--case", "swin", "--tiny", "--steps", "3",
+                               "--contenders", "vtdense_unfused", "timm_fused"])
+    assert list(results) == ["vtdense unfused", "timm fused"]
+    warm = ["vtdense unfused"] * 5 + ["timm fused"] * 5
+    assert order == warm + ["vtdense unfused", "timm fused"] * 3

@@ -155,7 +155,7 @@ def gelu_linear(h: Tensor, linear: nn.Linear, inplace: bool = False) -> Tensor:
     grad = torch.is_grad_enabled() and (h.requires_grad or linear.weight.requires_grad)
     if grad and _recompute and not tracing() and plain_linear(linear) and _worth_recomputing(h, h.shape[-1], h.dtype):
         if h.requires_grad and _via_hooks(h):
-            return recomputed_input_linear(F.gelu, (h,), linear)
+            return recomputed_input_linear(F.gelu, (h,), linear, casts=False)
         return _GeluLinear.apply(h, linear.weight, linear.bias)
     if inplace and not tracing() and not (torch.is_grad_enabled() and h.requires_grad):
         return apply_linear(linear, torch.ops.aten.gelu_(h))

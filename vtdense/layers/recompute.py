@@ -102,7 +102,7 @@ def _cast_of(t: Tensor, x: Tensor, x_node: Any) -> bool:
     return src is not None and getattr(src, "variable", None) is x  # x a leaf: its AccumulateGrad
 
 
-def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.Linear) -> Tensor:
+def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.Linear, casts: bool = True) -> Tensor:
     """``linear(fn(*args))``, recorded by autograd, with ``fn``'s output recomputed in the backward
     pass instead of kept (see the module's docstring). ``fn`` must be deterministic and keep
     whatever it needs of ``args`` for its own backward; call only where :func:`hooks_free`, with
@@ -116,6 +116,11 @@ def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.L
       so on a bf16 input (Swin's residual stream after a patch merging) the norm would keep a
       float32 copy of it, twice the bytes of the input itself.
 
+    ``casts``: whether ``fn`` may be one autocast casts ``args[0]`` for (a LayerNorm, which CUDA
+    autocast runs in float32); ``False`` for one it leaves alone (GELU). Only then, and for an
+    ``args[0]`` not already float32, does a hook watch what ``fn`` saves: elsewhere its saved tensors
+    stay autograd's own, with no Python call per tensor in the forward or the backward.
+
     ``args[0]``: ``(..., in)`` -> ``(..., out)``."""
     x = args[0]
     dev = x.device.type
@@ -127,11 +132,14 @@ def recomputed_input_linear(fn: Callable[..., Tensor], args: tuple, linear: nn.L
             return _Recipe(_same, (x,), None, t.dtype, t)
         return t
 
-    _push(pack_in_fn, _unpack)
-    try:
+    if casts and x.dtype != torch.float32:
+        _push(pack_in_fn, _unpack)
+        try:
+            a = fn(*args)
+        finally:
+            _pop()
+    else:
         a = fn(*args)
-    finally:
-        _pop()
     if amp is not None and a.is_floating_point() and a.dtype != amp[1]:
         a = a.to(amp[1])
     key = a.untyped_storage()._cdata  # the storage itself (fake tensors' data pointers are all 0)
