@@ -153,7 +153,7 @@ def test_tasks_apply_the_threshold_and_refuse_a_negative_one() -> None:
         assert mlp._min_bytes == 1 << 20
         DetectionTask(backbone="swin_tiny", backbone_kwargs=tiny, num_classes=2, slim_heads=True).configure_model()
         assert mlp._min_bytes == mlp.DEFAULT_RECOMPUTE_MIN_BYTES  # the default puts it back
-        for bad in (-1, 1.5, True):
+        for bad in (-1, 1.5, True, "8"):
             with pytest.raises(ValueError, match="activation_recompute_min_bytes"):
                 SegmentationTask(arch="upernet", backbone="swin_tiny", backbone_kwargs=tiny, num_classes=3,
                                  activation_recompute_min_bytes=bad)

@@ -52,8 +52,8 @@ def _via_hooks(x: Tensor) -> bool:
 
 def _worth_recomputing(x: Tensor, width: int, dtype: torch.dtype | None = None) -> bool:
     """Whether the activation the recomputation would free, ``x``'s rows at ``width`` channels in
-    ``dtype`` (default: autocast's for ``x``'s device where it is on, else ``x``'s), is at least
-    :data:`_min_bytes`; always on the CPU."""
+    ``dtype`` (default: CUDA autocast's where ``x`` is a CUDA tensor and it is on, else ``x``'s), is
+    at least :data:`_min_bytes`; always on the CPU."""
     dev = x.device.type
     if dev == "cpu" or not _min_bytes:
         return True

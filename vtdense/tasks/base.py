@@ -114,7 +114,7 @@ class BaseTask(LightningModule):
     @staticmethod
     def check_recompute_option(min_bytes: int | None) -> None:
         """Validate ``activation_recompute_min_bytes`` (raises one ``ValueError`` naming the option)."""
-        if min_bytes is not None and (isinstance(min_bytes, bool) or int(min_bytes) != min_bytes or min_bytes < 0):
+        if min_bytes is not None and (isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0):
             raise ValueError(f"activation_recompute_min_bytes must be a whole number of bytes >= 0 (0: every layer "
                              f"recomputes; null: vtdense's default), got {min_bytes!r}")
 
