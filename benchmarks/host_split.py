@@ -126,7 +126,8 @@ def split_steps(contenders: list[str], case: dict[str, Any], device: str, steps:
     the same contender 39 then 45 ms a step, minutes apart) falls on all of them alike. Peak MiB:
     ``max_memory_allocated`` over the warm-up above what was allocated before the contender was
     built (its weights, gradients, optimizer state and activations). ``report(name, row)`` is
-    called for each contender as its row is ready."""
+    called for each contender as its row is ready. A contender that fails to build or warm up is
+    named with its error and left out."""
     cuda = device.startswith("cuda")
     built: dict[str, tuple[tuple, Callable[[], contextlib.AbstractContextManager]]] = {}
     peaks: dict[str, float] = {}
@@ -136,14 +137,18 @@ def split_steps(contenders: list[str], case: dict[str, Any], device: str, steps:
             torch.cuda.synchronize()
             base = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-        phases = _phases(c, case, device)
-        with setting():
-            for _ in range(warmup):
-                _timed_step(phases, cuda, sync)
+        try:
+            phases = _phases(c, case, device)
+            with setting():
+                for _ in range(warmup):
+                    _timed_step(phases, cuda, sync)
+        except Exception as err:  # noqa: BLE001 (one contender's failure must not lose the others' rows)
+            print(f"{c}: failed, {type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}", flush=True)
+            continue
         if cuda:
             peaks[c] = (torch.cuda.max_memory_allocated() - base) / 2**20
         built[c] = phases, setting
-    times: dict[str, list[dict[str, float]]] = {c: [] for c in contenders}
+    times: dict[str, list[dict[str, float]]] = {c: [] for c in built}
     for _ in range(steps):
         for c, (phases, setting) in built.items():
             with setting():

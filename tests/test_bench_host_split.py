@@ -46,3 +46,11 @@ def test_host_split_takes_named_contenders_and_times_them_in_rounds(monkeypatch)
     assert list(results) == ["vtdense unfused", "timm fused"]
     warm = ["vtdense unfused"] * 5 + ["timm fused"] * 5
     assert order == warm + ["vtdense unfused", "timm fused"] * 3
+
+
+def test_a_contender_that_fails_is_named_and_the_others_still_run(capsys) -> None:  # noqa: ANN001
+    results = host_split.main(["--device", "cpu", "--case", "swin", "--tiny", "--steps", "1",
+                               "--contenders", "vtdense_nonsense-switch", "timm_fused"])
+    assert list(results) == ["timm fused"]
+    out = capsys.readouterr().out
+    assert "vtdense nonsense-switch: failed," in out and "| timm fused |" in out
