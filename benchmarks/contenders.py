@@ -255,16 +255,23 @@ _SETTINGS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     " rc-all": _recompute_all}
 
 
-def _make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[], object]:
-    torch.manual_seed(0)
-    model = build_model(contender, case).to(device)
-    family, mode = case["family"], case["mode"]
-    if contender.endswith("compiled") and family.startswith("maskrcnn"):
+def compiled_if_asked(contender: str, case: dict[str, Any], model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` compiled where ``contender`` ends in ``compiled``: a detector's backbone + FPN only,
+    as ``DetectionTask(compile_backbone=true)`` does (the heads stay eager), anything else whole."""
+    if not contender.endswith("compiled"):
+        return model
+    if case["family"].startswith("maskrcnn"):
         from vtdense.models.compile import compile_backbone
 
-        compile_backbone(model, "inductor")  # what DetectionTask(compile_backbone=true) does: heads stay eager
-    elif contender.endswith("compiled"):
-        model = torch.compile(model)
+        compile_backbone(model, "inductor")
+        return model
+    return torch.compile(model)
+
+
+def _make_step(contender: str, case: dict[str, Any], device: str) -> Callable[[], object]:
+    torch.manual_seed(0)
+    model = compiled_if_asked(contender, case, build_model(contender, case).to(device))
+    family, mode = case["family"], case["mode"]
 
     if family.startswith("maskrcnn"):
         images, targets = _detection_batch(case, device, 4 if family == "maskrcnn_demo" else 80)

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from contenders import _SETTINGS, _autocast, _detection_batch, build_model, features  # noqa: E402
+from contenders import _SETTINGS, _autocast, _detection_batch, build_model, compiled_if_asked, features  # noqa: E402
 
 __all__ = ["split_steps", "main"]
 
@@ -54,13 +54,7 @@ def _phases(contender: str, case: dict[str, Any], device: str) -> tuple[Callable
     from vtdense.tasks.optim import adamw
 
     torch.manual_seed(0)
-    model = build_model(contender, case).to(device).train()
-    if contender.endswith(" compiled") and case["family"].startswith("maskrcnn"):
-        from vtdense.models.compile import compile_backbone
-
-        compile_backbone(model, "inductor")  # as DetectionTask(compile_backbone=true): the heads stay eager
-    elif contender.endswith(" compiled"):
-        model = torch.compile(model)
+    model = compiled_if_asked(contender, case, build_model(contender, case).to(device).train())
     params = [p for p in model.parameters() if p.requires_grad]
     opt = adamw([{"params": params}], lr=1e-4, weight_decay=0.05)
     if case["family"].startswith("maskrcnn"):
