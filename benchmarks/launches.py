@@ -72,6 +72,7 @@ class Count:
 
     ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     casts: int = 0  # _to_copy to another dtype
+    weight_casts: int = 0  # of those, casts of a parameter or buffer (autocast's, once per forward and weight)
     recasts: int = 0  # casts of a float tensor already cast to that dtype in this forward (same elements)
     copies: int = 0  # clone / copy_ / _to_copy of the same dtype
     attention: list[AttentionCall] = dataclasses.field(default_factory=list)
@@ -90,9 +91,10 @@ class _Recorder(TorchDispatchMode):
     without workspaces. Meaningful without autograd (inference): a storage autograd saves has no
     Python tensor left to follow (:attr:`Count.saved_bytes` measures training instead)."""
 
-    def __init__(self, count: Count, before: set[int] | None = None) -> None:
+    def __init__(self, count: Count, before: set[int] | None = None, weights: set[int] | None = None) -> None:
         super().__init__()
         self.count = count
+        self._weights = weights or set()  # storages of the model's parameters and buffers
         self._cast: set[tuple] = set()  # (storage, offset, shape, strides, dtype) of every cast source
         self._live: dict[int, list] = {}  # storage -> [bytes, ids of the tensors on it, its cast keys]
         self._bytes = 0
@@ -145,6 +147,7 @@ class _Recorder(TorchDispatchMode):
             src = args[0]
             if isinstance(src, torch.Tensor) and kwargs.get("dtype", src.dtype) != src.dtype:
                 self.count.casts += 1
+                self.count.weight_casts += src.untyped_storage()._cdata in self._weights
                 if not src.is_floating_point():  # a mask made a float: not autocast's doing
                     return
                 key = (src.untyped_storage()._cdata, src.storage_offset(), tuple(src.shape), src.stride(),
@@ -298,7 +301,7 @@ def count_forward(model: torch.nn.Module, make_input: Callable[[], Any], *, trai
                 saved[key] = t.untyped_storage().nbytes()
             return t
 
-        recorder = _Recorder(count, weights | {x.untyped_storage()._cdata})
+        recorder = _Recorder(count, weights | {x.untyped_storage()._cdata}, weights)
         with grad, cuda_autocast(dtype), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
             out = model(x)
         del out
@@ -400,6 +403,7 @@ def run(cases: list | None = None, dtypes: tuple[str, ...] = ("bf16", "fp32")) -
                 c = count_forward(build(), lambda: torch.randn(batch, 3, h, w, device="cuda"), train=train,
                                   dtype=torch.bfloat16 if dt == "bf16" else None)
                 rows.append(dict(case=case, contender=name, dtype=dt, total=c.total, casts=c.casts, recasts=c.recasts,
+                                 weight_casts=c.weight_casts,
                                  copies=c.copies,
                                  attention=len(c.attention), fused=sum(a.fused for a in c.attention),
                                  mask_copies=sum(a.mask_copied for a in c.attention),
@@ -409,13 +413,14 @@ def run(cases: list | None = None, dtypes: tuple[str, ...] = ("bf16", "fp32")) -
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    out = ["| case | contender | precision | ATen calls | casts (of a tensor cast before) | copies | attention calls "
-           "(fused) | mask copied in SDPA | activations MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| case | contender | precision | ATen calls | casts: of weights / of activations (of one cast before) | "
+           "copies | attention calls (fused) | mask copied in SDPA | activations MiB |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         math = f"; math: {', '.join(r['math_reasons'])}" if r["math_reasons"] else ""
         prec = "bf16 autocast" if r["dtype"] == "bf16" else "fp32"
         mem = f"{r['memory_mib']} {'saved' if r['train'] else 'peak'}"
-        out.append(f"| {r['case']} | {r['contender']} | {prec} | {r['total']} | {r['casts']} ({r['recasts']}) | {r['copies']} | "
+        out.append(f"| {r['case']} | {r['contender']} | {prec} | {r['total']} | {r['weight_casts']} / {r['casts'] - r['weight_casts']} ({r['recasts']}) | "
+                   f"{r['copies']} | "
                    f"{r['attention']} ({r['fused']}{math}) | {r['mask_copies']} | {mem} |")
     return "\n".join(out)
 

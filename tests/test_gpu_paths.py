@@ -103,6 +103,26 @@ def test_bias_path_casts_q_once_under_autocast() -> None:
 
 
 @fake_cuda
+def test_weight_casts_are_counted_apart_from_the_activations() -> None:
+    """``launches.Count.weight_casts``: a bf16 training forward casts every projection's and conv's
+    weight and bias once (autocast's cast, which the backward mirrors with one more kernel each); in
+    inference the projections' cast copies are kept across forwards, and only the patch embedding's
+    conv is cast again."""
+    def swin() -> torch.nn.Module:
+        return vtdense.create_backbone("swin_tiny", **dict(TINY, embed_dim=32, num_heads=(1, 2, 4, 8)))
+
+    layers = [m for m in swin().modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))]
+    per_forward = sum(1 + (m.bias is not None) for m in layers)
+    for train, expected in ((True, per_forward), (False, 2)):
+        count = launches.count_forward(swin(), lambda: torch.randn(2, 3, *SIZE, device="cuda"), train=train,
+                                       dtype=torch.bfloat16)
+        assert count.weight_casts == expected, (train, count.weight_casts, count.casts)
+        assert count.casts > count.weight_casts  # the norms' float32 outputs cast for the next projection
+    fp32 = launches.count_forward(swin(), lambda: torch.randn(2, 3, *SIZE, device="cuda"), train=True, dtype=None)
+    assert fp32.weight_casts == 0
+
+
+@fake_cuda
 def test_eval_terms_of_swin_are_built_in_one_pass() -> None:
     """At a size that needs no image padding, a Swin forward on a GPU pads nothing: the masked
     blocks' terms are written straight into row-padded buffers (they were padded twice, then summed)."""
