@@ -26,8 +26,8 @@
 #                                                        torch's sync debug mode reports them), host_split.py (the host's
 #                                                        ms per forward, backward and optimizer of the Swin-T and detector
 #                                                        training steps, unprofiled, contenders interleaved; with every
-#                                                        layer recomputed, `rc-all`, none, `unfused`, and Swin-T's
-#                                                        Triton LayerNorm in training, `triton-train`)
+#                                                        layer recomputed, `rc-all`, none, `unfused`, and the
+#                                                        Triton LayerNorm in training, `triton-train`, in both)
 #          gpu_check.log                                 the attention paths' errors (fp32 vs math and vs float64, bf16), no compile
 #          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (`vtdense aten-norm`, `vtdense
 #                                                        triton-norm`, `vtdense triton-train`, `vtdense unfused` beside vtdense)
@@ -86,7 +86,7 @@ elif [ "$mode" = focus ]; then
     step checks bash -c 'rc=0
         for c in "60 benchmarks/recompute_cost.py --device cuda --iters 100" "60 benchmarks/host_syncs.py --cuda" \
                  "90 benchmarks/host_split.py --device cuda --case swin --contenders vtdense vtdense_rc-all vtdense_unfused vtdense_triton-train timm_fused" \
-                 "120 benchmarks/host_split.py --device cuda --case maskrcnn --contenders vtdense vtdense_rc-all vtdense_unfused torchvision"; do
+                 "150 benchmarks/host_split.py --device cuda --case maskrcnn --contenders vtdense vtdense_rc-all vtdense_unfused vtdense_triton-train torchvision"; do
             set -- $c; t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" || rc=$?
         done; exit $rc'
     step bench timeout 190 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 140
