@@ -338,3 +338,85 @@ def test_mask_head_sees_padded_roi_batches_on_a_gpu() -> None:
             logits = predictor(head(torch.randn(rows, 32, 14, 14, device="cuda")))
             assert logits.shape == (rows, 4, 28, 28) and logits.is_cuda
     assert seen == [32, 32, 64, 0]
+
+
+def _slot_major_attention(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Swin's ``attention`` returning its values laid out as SDPA's fused CUDA kernels lay them
+    out with the windows folded into the heads: ``(B, N, nW, heads, d)`` in memory (seen on fake
+    CUDA tensors). Returns a list that counts the calls so laid out."""
+    import vtdense.backbones.swin as swin_mod
+
+    real = swin_mod.attention
+    calls: list[int] = []
+
+    def gpu_like(q, k, v, mask=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = real(q, k, v, mask, *args, **kwargs)  # (B, nW, heads, N, d)
+        if out.dim() != 5:
+            return out
+        calls.append(1)
+        return out.permute(0, 3, 1, 2, 4).contiguous().permute(0, 2, 3, 1, 4)
+
+    monkeypatch.setattr(swin_mod, "attention", gpu_like)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny"])
+@pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
+def test_projection_on_slot_major_attention_rows_gives_the_same_bits(name: str, train: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where attention's output lies slot-major (as SDPA's GPU kernels write it), Swin projects
+    those rows where they lie and gathers its tokens with :func:`slot_major_scatter`: outputs and
+    the input's gradient equal the window-major path's bit for bit (shifts and padding masks
+    included); the weights' gradients, sums over rows taken in another order, to float rounding."""
+    from vtdense.layers.chunked import cpu_chunking
+
+    def run(model: torch.nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        x = torch.randn(2, 3, *SIZE, generator=torch.Generator().manual_seed(1), requires_grad=train)
+        with torch.set_grad_enabled(train), cpu_chunking(False):
+            outs = list(model(x).values())
+        grads = []
+        if train:
+            sum((o * torch.linspace(-1, 1, o.numel()).view_as(o)).sum() for o in outs).backward()
+            grads = [x.grad] + [p.grad for p in model.parameters()]
+        return outs, grads
+
+    monkeypatch.setattr(attention_mod, "_GPU_LAYOUT_ON_CPU", True)  # windows folded into the heads
+    kw = dict(FAMILIES["swin" if name == "swin_tiny" else "swinv2"][1])
+    torch.manual_seed(0)
+    model = randomize_(vtdense.create_backbone(name, **kw)).train(train)
+    want = run(model)
+    for p in model.parameters():
+        p.grad = None
+    calls = _slot_major_attention(monkeypatch)
+    got = run(model)
+    assert calls, "no attention call took the slot-major layout"
+    for a, b in zip(want[0] + want[1][:1], got[0] + got[1][:1]):  # outputs and the input's gradient
+        assert torch.equal(a, b)
+    # the weights' gradients sum over the rows, whose order differs: equal to float32 rounding
+    for a, b in zip(want[1][1:], got[1][1:]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6 * float(a.abs().max())), float((a - b).abs().max())
+
+
+@fake_cuda
+def test_swin_copies_no_attention_output_before_its_projection_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On fake CUDA tensors (SDPA's GPU layouts): a Swin block whose windows fold into the heads
+    copies q, k and v once for that, and nothing after attention. Its output was copied into window
+    order before the projection, one clone more per such block (counted with the slot-major path
+    switched off)."""
+    import vtdense.backbones.swin as swin_mod
+
+    def clones(train: bool) -> int:
+        model = vtdense.create_backbone("swin_tiny", **dict(TINY, embed_dim=32, num_heads=(1, 2, 4, 8)))
+        count = launches.count_forward(model, lambda: torch.randn(2, 3, *SIZE, device="cuda"), train=train,
+                                       dtype=torch.bfloat16)
+        return count.ops["clone"]
+
+    for train in (False, True):
+        now = clones(train)
+        with monkeypatch.context() as m:
+            m.setattr(swin_mod, "slot_major", lambda t: False)
+            before = clones(train)
+        folded = before - now  # blocks that took the slot-major path: one clone fewer each
+        assert folded >= 3, (train, before, now)
+        # left: one fold of q, k, v per such block, the 4 stage outputs made NCHW, 3 patch mergings' 2x2 gathers
+        assert now == folded + 4 + 3, (train, before, now)

@@ -45,6 +45,8 @@ from vtdense.layers.windows import (
     effective_window,
     mask_value,
     select_tokens,
+    slot_major,
+    slot_major_scatter,
     tokens_to_windows,
     to_2tuple,
     window_attention_mask,
@@ -247,7 +249,19 @@ class WindowAttention(nn.Module):
         # q, k, v and the projection go before the next projection (in inference nothing else holds them)
         qkv = qk = q = k = v = None  # noqa: F841
         out = out.transpose(2, 3).reshape(B, nW, N, C)
+        if slot_major(out) and self._project_in_place():
+            # SDPA's fused GPU kernels wrote the windows folded into the heads slot-major, (B, N, nW, C)
+            # in memory: project those rows where they lie (no copy into window order first; the
+            # gradient then reaches SDPA in the layout it wrote, no copy there either) and return
+            # the (B, nW, N, C) view (SwinBlock gathers its tokens from the slot-major rows).
+            return self.proj_drop(apply_linear(self.proj, out.transpose(1, 2))).transpose(1, 2)
         return self.proj_drop(apply_linear(self.proj, out))
+
+    def _project_in_place(self) -> bool:
+        """Whether the output projection may run on the attention's rows in another order: a plain,
+        unhooked ``nn.Linear`` (a hook sees the tensor it would see otherwise), no dropout drawn
+        after it (its random mask would fall on other elements), eager code."""
+        return plain_linear(self.proj) and not (self.training and self.proj_drop.p) and not tracing()
 
 
 def _heads_first(t: Tensor, term: Tensor) -> Tensor:
@@ -362,6 +376,10 @@ class SwinBlock(nn.Module):
         B, H, W, C = x.shape
         windows, window, mask, index = self._partition(x)
         out = self.attn(windows, window, mask, norm=norm)
+        if slot_major(out):  # the projection's rows lie (B, N, nW, C): gather the tokens from there
+            shift = effective_window((H, W), self.window_size, self.shift_size)[1]
+            scatter = slot_major_scatter(H, W, window, shift, x.device)
+            return select_tokens(out.transpose(1, 2).reshape(B, -1, C), scatter).view(B, H, W, C)
         return windows_to_tokens(out.reshape(B, -1, C), *index).view(B, H, W, C)
 
     def _forward_chunked(self, x: Tensor) -> Tensor:

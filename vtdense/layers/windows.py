@@ -29,6 +29,8 @@ __all__ = [
     "window_reverse",
     "window_attention_mask",
     "window_token_index",
+    "slot_major_scatter",
+    "slot_major",
     "select_tokens",
     "tokens_to_windows",
     "windows_to_tokens",
@@ -291,6 +293,35 @@ def window_token_index(
     if torch.compiler.is_compiling():
         return _index_op(H, W, *window, *shift, torch.device(device))
     return _fetch(_token_index_cached, int(H), int(W), tuple(window), tuple(shift), torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _slot_major_scatter_cached(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> Tensor:
+    with torch.inference_mode(False), torch.no_grad():
+        _, scatter = _token_index(H, W, window, shift, device)
+        n = window[0] * window[1]
+        windows = (-(-H // window[0])) * (-(-W // window[1]))
+        return (scatter % n) * windows + scatter // n
+
+
+def slot_major_scatter(H: int, W: int, window: tuple[int, int], shift: tuple[int, int],
+                       device: torch.device | str = "cpu") -> Tensor:
+    """``(H * W,)``: where each token of an ``H x W`` map sits in the windowed sequence laid out
+    slot-major, ``(N, nW)`` (every window's first slot, then every window's second, ...), where
+    :func:`window_token_index`'s ``scatter`` gives it in the window-major ``(nW, N)`` order. Rows
+    of ``(B, N, nW, C)`` gathered with it along dim 1 are the tokens, rolled back and cropped.
+
+    SDPA's fused CUDA kernels write their output as ``(B, Nq, heads, d)`` in memory; with the
+    windows folded into the heads that is slot-major, so a projection of those rows where they
+    lie followed by this gather skips the copy into window-major order. Eager code only (cached
+    per size as the index pair; built anew where :func:`~vtdense.layers.tracing.fresh_tables`)."""
+    return _fetch(_slot_major_scatter_cached, int(H), int(W), tuple(window), tuple(shift), torch.device(device))
+
+
+def slot_major(t: Tensor) -> bool:
+    """Whether ``t``, ``(B, nW, N, C)``, lies in memory as a contiguous ``(B, N, nW, C)`` (and is
+    not also contiguous as it is: one window or one slot)."""
+    return t.dim() == 4 and not t.is_contiguous() and t.transpose(1, 2).is_contiguous()
 
 
 def select_tokens(x: Tensor, index: Tensor) -> Tensor:
