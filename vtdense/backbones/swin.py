@@ -201,6 +201,12 @@ class WindowAttention(nn.Module):
             norm: V1's pre-norm, applied to ``x`` first (fused with the qkv projection).
             term: the additive term of these windows, from :meth:`attn_term` (then ``mask`` is
                 not used): ``(heads, N, N)`` or ``(nW, heads, N, N)``.
+
+        Returns:
+            ``(B, nW, N, C)``. Where SDPA's fused kernels wrote the attention slot-major (on a GPU,
+            with the windows folded into the heads), a view of a contiguous ``(B, N, nW, C)``
+            tensor (:func:`~vtdense.layers.windows.slot_major`), the projection having run on
+            those rows where they lay.
         """
         B, nW, N, C = x.shape
         h = self.num_heads
