@@ -56,14 +56,14 @@ def gpu_forms(form: str = "hooks") -> Iterator[None]:
     (``"hooks"``, the GPU default, or ``"function"``)."""
     from vtdense.layers import attention, mlp
 
-    before = attention._GPU_LAYOUT_ON_CPU
+    before = attention._GPU_LAYOUT_ON_CPU, mlp._form
     attention._GPU_LAYOUT_ON_CPU = True
     mlp._set_recompute_form(form)
     try:
         yield
     finally:
-        attention._GPU_LAYOUT_ON_CPU = before
-        mlp._set_recompute_form("auto")
+        attention._GPU_LAYOUT_ON_CPU = before[0]
+        mlp._set_recompute_form(before[1])
 
 
 def _settings(contender: str) -> Callable[[], contextlib.AbstractContextManager]:
