@@ -1,0 +1,167 @@
+"""``vtdense.layers.triton_window_attention``: Swin V1's training attention in two Triton kernels.
+
+The kernels run here in Triton's CPU interpreter (a subprocess with ``TRITON_INTERPRET=1``): their
+output and the gradients of q, k, v and the bias match attention computed with PyTorch's ops, in
+float32 to float rounding and in bf16 within its rounding, with and without a shift mask; a Swin
+trained through them gets the default path's outputs and gradients. Both kernels also compile for
+sm_90 (the H100/H200) here. Where they apply is checked in this process."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+from triton_interpreter import run_interpreted
+
+from vtdense.layers import triton_window_attention as twa
+
+KERNEL_CHECK = textwrap.dedent("""
+    import json, torch
+    from vtdense.layers.triton_window_attention import window_attention
+    torch.manual_seed(0)
+
+    def reference(qkv, bias, mask, scale, h):
+        # the attention as vtdense's math path computes it, in float64
+        B, nW, N, C3 = qkv.shape
+        C = C3 // 3
+        q, k, v = qkv.double().view(B, nW, N, 3, h, C // h).permute(3, 0, 1, 4, 2, 5).unbind(0)
+        t = bias.double()[None, None]
+        if mask is not None:
+            t = torch.where(mask[None, :, None], torch.tensor(-1e4, dtype=torch.float64), t)
+        o = ((q @ k.transpose(-1, -2)) * scale + t).softmax(-1) @ v
+        return o.transpose(2, 3).reshape(B, nW, N, C)
+
+    rows = []
+    for B, nW, N, h, d, masked, dtype, bias_grad in [
+            (2, 3, 49, 2, 16, True, torch.float32, True), (1, 4, 16, 3, 32, False, torch.float32, True),
+            (1, 2, 64, 1, 64, True, torch.float32, False), (2, 3, 49, 2, 32, True, torch.bfloat16, True),
+            (1, 2, 9, 2, 16, False, torch.bfloat16, True)]:
+        qkv0 = torch.randn(B, nW, N, 3 * h * d).to(dtype)
+        bias0 = torch.randn(h, N, N)
+        mask = (torch.rand(nW, N, N) < 0.3) if masked else None
+        if mask is not None:
+            mask[:, :, 0] = False  # no row wholly blocked (Swin's never is: a token sees itself)
+        up = torch.randn(B, nW, N, h * d).to(dtype)
+        qkv, bias = qkv0.clone().requires_grad_(), bias0.clone().requires_grad_(bias_grad)
+        out = window_attention(qkv, bias, mask, d ** -0.5, h)
+        out.backward(up)
+        qkv_r, bias_r = qkv0.double().requires_grad_(), bias0.double().requires_grad_()
+        ref = reference(qkv_r, bias_r, mask, d ** -0.5, h)
+        ref.backward(up.double())
+
+        def err(a, b):
+            return ((a.double() - b).abs().max() / b.abs().max()).item()
+
+        rows.append(dict(dtype=str(dtype), out_dtype=str(out.dtype), grad_dtype=str(qkv.grad.dtype),
+                         bias_grad=None if bias.grad is None else err(bias.grad, bias_r.grad),
+                         bias_grad_dtype=None if bias.grad is None else str(bias.grad.dtype),
+                         out=err(out, ref), qkv_grad=err(qkv.grad, qkv_r.grad)))
+    print(json.dumps(rows))
+""")
+
+
+def test_the_kernels_match_attention_in_tritons_interpreter() -> None:
+    rows = run_interpreted(KERNEL_CHECK)
+    assert len(rows) == 5
+    for r in rows:
+        assert r["out_dtype"] == r["grad_dtype"] == r["dtype"], r
+        if r["dtype"] == "torch.float32":
+            assert r["out"] <= 1e-6 and r["qkv_grad"] <= 1e-6, r
+        else:  # the probabilities and the gradients' operands rounded to bf16, as SDPA's fused kernels do
+            assert r["out"] <= 2e-2 and r["qkv_grad"] <= 3e-2, r
+        if r["bias_grad"] is not None:
+            assert r["bias_grad_dtype"] == "torch.float32"
+            assert r["bias_grad"] <= (1e-6 if r["dtype"] == "torch.float32" else 3e-2), r
+    assert rows[2]["bias_grad"] is None  # the bias without a gradient: that kernel variant ran too
+
+
+MODEL_CHECK = textwrap.dedent("""
+    import json, torch
+    import vtdense
+    from vtdense.backbones import swin
+    from vtdense.layers.triton_window_attention import triton_window_attention
+    calls = []
+    real = swin.triton_window_attention
+    swin.triton_window_attention = lambda *a: (calls.append(1), real(*a))[1]
+    torch.manual_seed(0)
+    # shifted windows and padding (72x100: stage maps 18x25, 9x12, 4x6, 2x3; window 7)
+    model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 2),
+                                    drop_path_rate=0.0).train()
+    x = torch.randn(2, 3, 72, 100)
+
+    def run(on):
+        model.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with triton_window_attention(on):
+            out = model(xi)
+        sum((f * torch.linspace(-1, 1, f.numel()).view_as(f)).sum() for f in out.values()).backward()
+        return [f.detach() for f in out.values()], {n: p.grad for n, p in model.named_parameters()}, xi.grad
+
+    out_on, grads_on, x_on = run(True)
+    n_on = len(calls)
+    out_off, grads_off, x_off = run(False)
+    rel = {n: ((grads_on[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in grads_off.items()}
+    print(json.dumps(dict(calls_on=n_on, calls_off=len(calls) - n_on, params=len(rel),
+                          out=max((a - b).abs().max().item() for a, b in zip(out_on, out_off)),
+                          grad=max(rel.values()), x_grad=((x_on - x_off).abs().max() / x_off.abs().max()).item())))
+""")
+
+
+def test_a_swin_trains_through_the_kernels_in_tritons_interpreter() -> None:
+    """Every block of a Swin V1 takes the kernels when they apply, shifted and padded windows
+    included, and the outputs and every gradient are the default path's (float32)."""
+    r = run_interpreted(MODEL_CHECK)
+    assert r["calls_on"] == 8 and r["calls_off"] == 0, r
+    assert r["out"] <= 1e-5 and r["grad"] <= 1e-5 and r["x_grad"] <= 1e-5 and r["params"] > 40, r
+
+
+def test_off_by_default_and_only_where_the_kernels_fit() -> None:
+    x = torch.randn(2, 3, 49, 64, requires_grad=True)
+    assert not twa.triton_window_attention_enabled()
+    with twa.triton_window_attention(True):
+        assert twa.triton_window_attention_enabled()
+        assert not twa.triton_window_attention_applies(x, 49, 32, 0.0)  # a CPU tensor, no interpreter
+    assert not twa.triton_window_attention_enabled()
+
+
+@pytest.mark.parametrize("tokens,width,dropout,grad,applies", [
+    (49, 32, 0.0, True, True), (64, 16, 0.0, True, True), (65, 32, 0.0, True, False), (49, 24, 0.0, True, False),
+    (49, 32, 0.1, True, False), (49, 32, 0.0, False, False)])
+def test_where_the_kernels_apply(monkeypatch: pytest.MonkeyPatch, tokens: int, width: int, dropout: float,
+                                 grad: bool, applies: bool) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the check then takes CPU tensors as it takes CUDA ones)
+    x = torch.randn(1, 2, tokens, 2 * width)
+    with twa.triton_window_attention(True), torch.set_grad_enabled(grad):
+        assert twa.triton_window_attention_applies(x, tokens, width, dropout) is applies
+
+
+@pytest.mark.parametrize("kernel,dtype,masked", [("forward", "bf16", True), ("forward", "fp32", False),
+                                                  ("backward", "bf16", True), ("backward", "fp16", False)])
+def test_the_kernels_compile_for_hopper(kernel: str, dtype: str, masked: bool) -> None:
+    """Triton compiles both kernels to a cubin for sm_90 (the H100/H200) without a GPU: the typing
+    errors the CPU interpreter lets through fail here."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fwd, bwd, _, _ = twa._build()
+    t = f"*{dtype}"
+    mask = "*u8" if masked else "constexpr"
+    common = {"QKV": t, "BIAS": "*fp32", "MASK": mask, "OUT": t}
+    consts: dict = {"D": 32, "BLOCK_N": 64, "HAS_MASK": masked, "PREC": "ieee" if dtype == "fp32" else "tf32", "UPCAST": False}
+    if not masked:
+        consts["MASK"] = None
+    if kernel == "forward":
+        fn = fwd
+        signature = {**common, "LSE": "*fp32", "nW": "i32", "N": "i32", "H": "i32", "scale": "fp32",
+                     "MASKED_VALUE": "fp32"}
+    else:
+        fn = bwd
+        signature = {**common, "DOUT": t, "LSE": "*fp32", "DQKV": t, "DBIAS": "*fp32", "BW": "i32", "nW": "i32",
+                     "N": "i32", "H": "i32", "scale": "fp32", "MASKED_VALUE": "fp32"}
+        consts.update(WPP=12, NEED_DBIAS=True)
+    signature.update({k: "constexpr" for k in ("D", "BLOCK_N", "HAS_MASK", "PREC", "WPP", "NEED_DBIAS", "UPCAST") if k in consts})
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000

@@ -1,0 +1,288 @@
+"""Swin V1's windowed attention for training in two Triton kernels (CUDA). Off by default: not yet
+timed on a GPU.
+
+In training, Swin's attention runs SDPA's memory-efficient kernel (its additive term needs a
+gradient, which the cuDNN and flash kernels do not give). Around it, every block then also runs:
+the copy of q, k and v into the heads-first layout SDPA reads, the build of the additive term
+(the position bias cast to the compute dtype and written, masked, into an aligned ``(nW, heads,
+N, N)`` buffer), and in the backward pass the matching kernels the other way: the term's full
+gradient reduced over the batch and the windows, the cast back, the masked fill's gradient and
+the gradients of q, k and v gathered back into the projection's layout.
+
+:func:`window_attention` does the attention of every window of one head in one program,
+reading q, k and v where the qkv projection wrote them, ``(B, nW, N, 3, heads, d)``, the float32
+``(heads, N, N)`` position bias and the ``(nW, N, N)`` shift mask as they are, and writing the
+output straight in the ``(B, nW, N, C)`` layout the output projection reads. A window holds at
+most 64 tokens (Swin's 7x7 and 8x8), so a program holds its whole score matrix: no tiling and no
+online softmax. The backward pass is one more kernel: each program walks a run of windows of one
+head, recomputes their probabilities from the forward's row log-sum-exps, writes the gradients of
+q, k and v into one tensor in the projection's layout, and sums the bias gradient of its windows
+in registers; one ``sum`` over the programs' partial sums finishes it (deterministic: no atomics).
+
+Values: the score matrix is accumulated in float32, the probabilities are rounded to the inputs'
+dtype before multiplying ``v`` (as SDPA's fused kernels do), and the bias enters in float32 where
+the SDPA path adds it rounded to the compute dtype. Blocked pairs take :data:`~vtdense.layers.
+windows.MASK_VALUE` in place of the bias, as :meth:`~vtdense.backbones.swin.WindowAttention.
+attn_term` builds them, and give the bias no gradient.
+
+Where it applies (:func:`triton_window_attention_applies`): switched on with
+:func:`set_triton_window_attention` (or :func:`triton_window_attention`), a gradient being recorded
+on a plain CUDA tensor (no graph being built), no attention dropout, windows of at most 64 tokens,
+a head width of 16, 32, 64 or 128, a float32 / bf16 / fp16 projection. Its backward pass is not itself differentiable (no
+``create_graph``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from vtdense.layers import fused_norm
+from vtdense.layers.scoped import scoped_setting
+from vtdense.layers.tracing import tracing
+from vtdense.layers.windows import mask_value
+
+__all__ = ["set_triton_window_attention", "triton_window_attention", "triton_window_attention_applies",
+           "triton_window_attention_enabled", "window_attention", "DTYPES", "MAX_WINDOW_TOKENS"]
+
+#: the dtypes the kernels take (the qkv projection's output)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: the most tokens a window may hold for the kernels (one program holds a window's whole score matrix)
+MAX_WINDOW_TOKENS = 64
+_HEAD_WIDTHS = (16, 32, 64, 128)
+#: programs the backward pass aims for (several per multiprocessor of an H100)
+_BACKWARD_PROGRAMS = 1024
+
+_enabled = False
+_kernels: Any = None
+
+
+def _build() -> Any:
+    """``(forward, backward)`` Triton kernels, defined on first use."""
+    global _kernels
+    if _kernels is not None:
+        return _kernels
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _forward(QKV, BIAS, MASK, OUT, LSE, nW, N, H, scale, MASKED_VALUE,
+                 D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+                 UPCAST: tl.constexpr):
+        # one program: window bw (of B * nW), head hh; q, k, v at (bw, n, 0/1/2, hh, :) of (B*nW, N, 3, H, D)
+        bw = tl.program_id(0).to(tl.int64)
+        hh = tl.program_id(1)
+        C = H * D
+        rows = tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, D)
+        rvalid = rows < N
+        lmask = rvalid[:, None]
+        offs = bw * N * 3 * C + rows[:, None] * (3 * C) + hh * D + cols[None, :]
+        q = tl.load(QKV + offs, mask=lmask, other=0.0)
+        k = tl.load(QKV + offs + C, mask=lmask, other=0.0)
+        v = tl.load(QKV + offs + 2 * C, mask=lmask, other=0.0)
+        if UPCAST:  # (see _upcast)
+            q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
+        pair = rows[:, None] * N + rows[None, :]
+        pvalid = rvalid[:, None] & rvalid[None, :]
+        t = tl.load(BIAS + hh * N * N + pair, mask=pvalid, other=0.0).to(tl.float32)
+        if HAS_MASK:
+            blocked = tl.load(MASK + (bw % nW) * N * N + pair, mask=pvalid, other=0)
+            t = tl.where(blocked != 0, MASKED_VALUE, t)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale + t
+        s = tl.where(rvalid[None, :], s, float("-inf"))
+        m = tl.max(s, 1)
+        p = tl.exp(s - m[:, None])
+        denom = tl.sum(p, 1)
+        p = p / denom[:, None]
+        p = p.to(QKV.dtype.element_ty)  # rounded to the inputs' dtype, as SDPA's fused kernels do
+        if UPCAST:
+            p = p.to(tl.float32)
+        o = tl.dot(p, v, input_precision=PREC)
+        out_offs = bw * N * C + rows[:, None] * C + hh * D + cols[None, :]
+        tl.store(OUT + out_offs, o.to(OUT.dtype.element_ty), mask=lmask)
+        tl.store(LSE + (bw * H + hh) * BLOCK_N + rows, m + tl.log(denom))
+
+    @triton.jit
+    def _backward(QKV, BIAS, MASK, OUT, DOUT, LSE, DQKV, DBIAS, BW, nW, N, H, scale, MASKED_VALUE,
+                  D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
+                  WPP: tl.constexpr, NEED_DBIAS: tl.constexpr, UPCAST: tl.constexpr):
+        # one program: head hh, windows [chunk * WPP, (chunk + 1) * WPP) of B * nW
+        hh = tl.program_id(0)
+        chunk = tl.program_id(1)
+        C = H * D
+        rows = tl.arange(0, BLOCK_N)
+        cols = tl.arange(0, D)
+        rvalid = rows < N
+        pair = rows[:, None] * N + rows[None, :]
+        pvalid = rvalid[:, None] & rvalid[None, :]
+        t0 = tl.load(BIAS + hh * N * N + pair, mask=pvalid, other=0.0).to(tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.float32)
+        for i in range(WPP):
+            bw = chunk.to(tl.int64) * WPP + i
+            live = bw < BW
+            lmask = rvalid[:, None] & live
+            offs = bw * N * 3 * C + rows[:, None] * (3 * C) + hh * D + cols[None, :]
+            out_offs = bw * N * C + rows[:, None] * C + hh * D + cols[None, :]
+            q = tl.load(QKV + offs, mask=lmask, other=0.0)
+            k = tl.load(QKV + offs + C, mask=lmask, other=0.0)
+            v = tl.load(QKV + offs + 2 * C, mask=lmask, other=0.0)
+            o = tl.load(OUT + out_offs, mask=lmask, other=0.0)
+            do = tl.load(DOUT + out_offs, mask=lmask, other=0.0)
+            lse = tl.load(LSE + (bw * H + hh) * BLOCK_N + rows, mask=rvalid & live, other=0.0)
+            if UPCAST:
+                q, k, v, do = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), do.to(tl.float32)
+            t = t0
+            if HAS_MASK:
+                blocked = tl.load(MASK + (bw % nW) * N * N + pair, mask=pvalid, other=0)
+                t = tl.where(blocked != 0, MASKED_VALUE, t0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale + t
+            s = tl.where(rvalid[None, :], s, float("-inf"))
+            p = tl.exp(s - lse[:, None])
+            pr = p.to(QKV.dtype.element_ty)
+            if UPCAST:
+                pr = pr.to(tl.float32)
+            dv = tl.dot(tl.trans(pr), do, input_precision=PREC)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+            ds = tl.where(lmask, p * (dp - delta[:, None]), 0.0)
+            dsr = ds.to(QKV.dtype.element_ty)
+            if UPCAST:
+                dsr = dsr.to(tl.float32)
+            dq = tl.dot(dsr, k, input_precision=PREC) * scale
+            dk = tl.dot(tl.trans(dsr), q, input_precision=PREC) * scale
+            tl.store(DQKV + offs, dq.to(DQKV.dtype.element_ty), mask=lmask)
+            tl.store(DQKV + offs + C, dk.to(DQKV.dtype.element_ty), mask=lmask)
+            tl.store(DQKV + offs + 2 * C, dv.to(DQKV.dtype.element_ty), mask=lmask)
+            if NEED_DBIAS:
+                if HAS_MASK:
+                    ds = tl.where(blocked != 0, 0.0, ds)
+                acc += ds
+        if NEED_DBIAS:
+            square = rows[:, None] * BLOCK_N + rows[None, :]
+            tl.store(DBIAS + (hh * tl.num_programs(1) + chunk).to(tl.int64) * BLOCK_N * BLOCK_N + square, acc)
+
+    _kernels = (_forward, _backward, triton.next_power_of_2, triton.cdiv)
+    return _kernels
+
+
+def set_triton_window_attention(enabled: bool) -> None:
+    """Switch the Triton window attention on or off for Swin V1's training (off by default)."""
+    global _enabled
+    _enabled = bool(enabled)
+
+
+def triton_window_attention_enabled() -> bool:
+    """Whether :func:`set_triton_window_attention` switched the kernels on."""
+    return _enabled
+
+
+def triton_window_attention(enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """Context-manager form of :func:`set_triton_window_attention`."""
+    return scoped_setting(triton_window_attention_enabled, set_triton_window_attention, enabled)
+
+
+def triton_window_attention_applies(x: Tensor, tokens: int, head_width: int, dropout: float) -> bool:
+    """Whether :func:`window_attention` may run for the windows ``x`` ``(B, nW, N, C)`` of a block
+    in training (see the module's docstring). The caller also checks that its qkv projection's
+    output needs a gradient and has one of :data:`DTYPES`, and that its bias is Swin V1's table."""
+    interpreted = _interpreted(x)
+    if not _enabled or type(x) is not Tensor or (x.device.type != "cuda" and not interpreted) or tracing():
+        return False  # (tracing first: a size test in a graph being built would guard on the size)
+    if not torch.is_grad_enabled() or dropout:
+        return False
+    if tokens > MAX_WINDOW_TOKENS or head_width not in _HEAD_WIDTHS:
+        return False
+    return interpreted or fused_norm._usable_on(x.device)
+
+
+def _interpreted(x: Tensor) -> bool:
+    """Whether the kernels run in Triton's CPU interpreter (the tests' way to run them without a GPU)."""
+    return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _upcast(qkv: Tensor) -> bool:
+    """Whether the kernels multiply in float32: a half-precision input in Triton's CPU interpreter,
+    which multiplies bf16 tiles wrongly (Triton 3.8). The operands are the same rounded values, so
+    the products are what the GPU's half-precision products accumulated in float32 give."""
+    return qkv.dtype != torch.float32 and _interpreted(qkv)
+
+
+def _precision(qkv: Tensor) -> str:
+    """The dots' ``input_precision``: float32 operands are multiplied exactly, not as TF32."""
+    return "ieee" if qkv.dtype == torch.float32 or _upcast(qkv) else "tf32"
+
+
+def _block(tokens: int, next_pow2: Any) -> int:
+    return max(16, next_pow2(tokens))
+
+
+class _WindowAttention(torch.autograd.Function):
+    """See :func:`window_attention`."""
+
+    @staticmethod
+    def forward(ctx: Any, qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float, heads: int) -> Tensor:
+        fwd, _, next_pow2, _ = _build()
+        B, nW, N, C3 = qkv.shape
+        C = C3 // 3
+        qkv = qkv.contiguous()
+        bias = bias.contiguous()
+        masks = mask.contiguous().view(torch.uint8) if mask is not None else None
+        block = _block(N, next_pow2)
+        out = qkv.new_empty((B, nW, N, C))
+        lse = torch.empty((B * nW, heads, block), dtype=torch.float32, device=qkv.device)
+        prec = _precision(qkv)
+        if out.numel():
+            fwd[(B * nW, heads)](qkv, bias, masks, out, lse, nW, N, heads, scale, mask_value(),
+                                 D=C // heads, BLOCK_N=block, HAS_MASK=masks is not None, PREC=prec,
+                                 UPCAST=_upcast(qkv), num_warps=4)
+        ctx.save_for_backward(qkv, bias, masks, out, lse)
+        ctx.scale, ctx.heads = scale, heads
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
+        _, bwd, next_pow2, cdiv = _build()
+        qkv, bias, masks, out, lse = ctx.saved_tensors
+        heads = ctx.heads
+        B, nW, N, C3 = qkv.shape
+        BW = B * nW
+        block = _block(N, next_pow2)
+        grad_out = grad_out.to(out.dtype).contiguous()
+        need_bias = ctx.needs_input_grad[1]
+        per = max(1, cdiv(BW * heads, _BACKWARD_PROGRAMS))
+        chunks = cdiv(BW, per) if BW else 0
+        dqkv = torch.empty_like(qkv)
+        parts = torch.empty((heads, chunks, block, block) if need_bias else (1,), dtype=torch.float32, device=qkv.device)
+        if chunks:
+            bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, BW, nW, N, heads, ctx.scale,
+                                 mask_value(), D=C3 // 3 // heads, BLOCK_N=block, HAS_MASK=masks is not None,
+                                 PREC=_precision(qkv), WPP=per,
+                                 NEED_DBIAS=need_bias, UPCAST=_upcast(qkv), num_warps=4)
+        grad_bias = None
+        if need_bias:
+            grad_bias = (parts.sum(1)[:, :N, :N] if chunks else parts.new_zeros((heads, N, N))).to(bias.dtype)
+        return dqkv if ctx.needs_input_grad[0] else None, grad_bias, None, None, None
+
+
+def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float, heads: int) -> Tensor:
+    """Attention within windows from the qkv projection's output, in the Triton kernels.
+
+    Args:
+        qkv: ``(B, nW, N, 3C)``, laid out ``(B, nW, N, 3, heads, d)`` as Swin's qkv projection writes it.
+        bias: ``(heads, N, N)`` additive position bias (float32 as Swin V1 gathers it from its table).
+        mask: boolean ``(nW, N, N)`` shift/padding mask (True = blocked) or ``None``.
+        scale: the factor of ``q @ k^T`` (``d ** -0.5``).
+        heads: the number of heads.
+
+    Returns:
+        ``(B, nW, N, C)`` in ``qkv``'s dtype, heads side by side in the channels (as the output
+        projection reads them). Differentiable in ``qkv`` and ``bias`` (first order).
+    """
+    return _WindowAttention.apply(qkv, bias, mask, scale, heads)
