@@ -20,6 +20,8 @@ Contender names:
   fn-recompute`` (training's recomputation through the autograd functions with a Python backward, the
   CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU), ``vtdense
   triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on),
+  ``vtdense triton-attn`` (CUDA training with Swin V1's attention in the Triton kernels of
+  :mod:`vtdense.layers.triton_window_attention`),
   ``vtdense rc-all`` (training's recomputation in every layer, ``min_bytes=0``, where the default
   recomputes only layers whose activation has at least 8 MiB off the CPU), ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back and
   no anchors kept across steps, ``host_syncs.torchvision_heads``: what the host-wait changes save, timed);
@@ -102,7 +104,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
     family = case["family"]
     base = contender
     for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm", " aten-norm", " fn-recompute",
-                   " triton-train", " torchvision-heads", " rc-all"):
+                   " triton-train", " triton-attn", " torchvision-heads", " rc-all"):
         base = base.replace(suffix, "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
@@ -223,6 +225,12 @@ def _triton_train() -> contextlib.AbstractContextManager:
     return triton_norm_training(True)
 
 
+def _triton_attn() -> contextlib.AbstractContextManager:
+    from vtdense.layers.triton_window_attention import triton_window_attention
+
+    return triton_window_attention(True)
+
+
 def _aten_norm() -> contextlib.AbstractContextManager:
     from vtdense.layers.fused_norm import triton_norm
 
@@ -251,7 +259,8 @@ def _recompute_all() -> contextlib.AbstractContextManager:
 
 #: contender suffix -> the process-wide setting its steps run under
 _SETTINGS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
-    " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " triton-train": _triton_train, " unfused": unfused, " fn-recompute": _fn_recompute,
+    " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " triton-train": _triton_train,
+    " triton-attn": _triton_attn, " unfused": unfused, " fn-recompute": _fn_recompute,
     " rc-all": _recompute_all}
 
 

@@ -25,12 +25,14 @@
 #                                                        device cost), host_syncs.py --cuda (the detector step's waits, as
 #                                                        torch's sync debug mode reports them), host_split.py (the host's
 #                                                        ms per forward, backward and optimizer of the Swin-T and detector
-#                                                        training steps, unprofiled, contenders interleaved; with every
-#                                                        layer recomputed, `rc-all`, none, `unfused`, and the
-#                                                        Triton LayerNorm in training, `triton-train`, in both)
+#                                                        training steps, unprofiled, contenders interleaved; with Swin
+#                                                        V1's attention in Triton kernels, `triton-attn`, no layer
+#                                                        recomputed, `unfused`, and the Triton LayerNorm in
+#                                                        training, `triton-train`, in both)
 #          gpu_check.log                                 the attention paths' errors (fp32 vs math and vs float64, bf16), no compile
 #          bench.log, RESULTS.md, results-cuda.json     the trailing rows, eager (`vtdense aten-norm`, `vtdense
-#                                                        triton-norm`, `vtdense triton-train`, `vtdense unfused` beside vtdense)
+#                                                        triton-norm`, `vtdense triton-attn`, `vtdense triton-train`, `vtdense
+#                                                        unfused` beside vtdense)
 #          compiled.log, RESULTS-compiled.md             Swin-T train step, both compiled;
 #                                                   Mask R-CNN bf16 with compile_backbone (as far as the time goes)
 # Each step's failure is logged and the next step still runs; the exit status is the first failure's.
@@ -85,8 +87,8 @@ elif [ "$mode" = focus ]; then
     # One log for the three checks (a device call returns at most 8 files); each keeps its own limit.
     step checks bash -c 'rc=0
         for c in "60 benchmarks/recompute_cost.py --device cuda --iters 100" "60 benchmarks/host_syncs.py --cuda" \
-                 "90 benchmarks/host_split.py --device cuda --case swin --contenders vtdense vtdense_rc-all vtdense_unfused vtdense_triton-train timm_fused" \
-                 "150 benchmarks/host_split.py --device cuda --case maskrcnn --contenders vtdense vtdense_rc-all vtdense_unfused vtdense_triton-train torchvision"; do
+                 "90 benchmarks/host_split.py --device cuda --case swin --contenders vtdense vtdense_triton-attn vtdense_unfused vtdense_triton-train timm_fused" \
+                 "150 benchmarks/host_split.py --device cuda --case maskrcnn --contenders vtdense vtdense_triton-attn vtdense_unfused vtdense_triton-train torchvision"; do
             set -- $c; t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" || rc=$?
         done; exit $rc'
     step bench timeout 190 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 140

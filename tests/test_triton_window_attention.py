@@ -159,9 +159,27 @@ def test_the_kernels_compile_for_hopper(kernel: str, dtype: str, masked: bool) -
     else:
         fn = bwd
         signature = {**common, "DOUT": t, "LSE": "*fp32", "DQKV": t, "DBIAS": "*fp32", "BW": "i32", "nW": "i32",
-                     "N": "i32", "H": "i32", "scale": "fp32", "MASKED_VALUE": "fp32"}
-        consts.update(WPP=12, NEED_DBIAS=True)
-    signature.update({k: "constexpr" for k in ("D", "BLOCK_N", "HAS_MASK", "PREC", "WPP", "NEED_DBIAS", "UPCAST") if k in consts})
+                     "N": "i32", "H": "i32", "scale": "fp32", "MASKED_VALUE": "fp32", "WPP": "i32"}
+        consts.update(NEED_DBIAS=True)
+    signature.update({k: "constexpr" for k in ("D", "BLOCK_N", "HAS_MASK", "PREC", "NEED_DBIAS", "UPCAST") if k in consts})
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if kernel == "forward" else 8})
     assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
+
+
+def test_the_benchmarks_triton_attn_contender_switches_the_kernels_on() -> None:
+    """``benchmarks/run.py``'s ``vtdense triton-attn`` rows: vtdense's model, run with the kernels on."""
+    import sys
+
+    from triton_interpreter import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from contenders import _SETTINGS, build_model
+
+    from vtdense.backbones.swin import SwinTransformer
+
+    case = dict(family="swin_t", mode="train", batch=1, size=[64, 64], dtype="bf16")
+    assert isinstance(build_model("vtdense triton-attn", case), SwinTransformer)
+    with _SETTINGS[" triton-attn"]():
+        assert twa.triton_window_attention_enabled()
+    assert not twa.triton_window_attention_enabled()

@@ -109,10 +109,11 @@ def _build() -> Any:
         tl.store(LSE + (bw * H + hh) * BLOCK_N + rows, m + tl.log(denom))
 
     @triton.jit
-    def _backward(QKV, BIAS, MASK, OUT, DOUT, LSE, DQKV, DBIAS, BW, nW, N, H, scale, MASKED_VALUE,
+    def _backward(QKV, BIAS, MASK, OUT, DOUT, LSE, DQKV, DBIAS, BW, nW, N, H, scale, MASKED_VALUE, WPP,
                   D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
-                  WPP: tl.constexpr, NEED_DBIAS: tl.constexpr, UPCAST: tl.constexpr):
-        # one program: head hh, windows [chunk * WPP, (chunk + 1) * WPP) of B * nW
+                  NEED_DBIAS: tl.constexpr, UPCAST: tl.constexpr):
+        # one program: head hh, windows [chunk * WPP, (chunk + 1) * WPP) of B * nW (WPP a run-time
+        # value: a new image size must not compile the kernel again)
         hh = tl.program_id(0)
         chunk = tl.program_id(1)
         C = H * D
@@ -262,9 +263,9 @@ class _WindowAttention(torch.autograd.Function):
         parts = torch.empty((heads, chunks, block, block) if need_bias else (1,), dtype=torch.float32, device=qkv.device)
         if chunks:
             bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, BW, nW, N, heads, ctx.scale,
-                                 mask_value(), D=C3 // 3 // heads, BLOCK_N=block, HAS_MASK=masks is not None,
-                                 PREC=_precision(qkv), WPP=per,
-                                 NEED_DBIAS=need_bias, UPCAST=_upcast(qkv), num_warps=4)
+                                 mask_value(), per, D=C3 // 3 // heads, BLOCK_N=block, HAS_MASK=masks is not None,
+                                 PREC=_precision(qkv), NEED_DBIAS=need_bias, UPCAST=_upcast(qkv),
+                                 num_warps=8)  # (five 64x64 float32 tiles live at once: 8 warps hold them)
         grad_bias = None
         if need_bias:
             grad_bias = (parts.sum(1)[:, :N, :N] if chunks else parts.new_zeros((heads, N, N))).to(bias.dtype)
