@@ -347,6 +347,48 @@ class _TritonNorm(torch.nn.Module):
             return self.model(x)
 
 
+@torch.library.custom_op("vtdense_bench::triton_window_attention_forward", mutates_args=())
+def _attention_kernel(qkv: torch.Tensor, heads: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton window attention's forward kernel as one call that fake tensors can make
+    (:class:`_TritonAttn`): its output and row log-sum-exps, uninitialised."""
+    B, nW, N, C3 = qkv.shape
+    return qkv.new_empty((B, nW, N, C3 // 3)), qkv.new_empty((B * nW, heads, block), dtype=torch.float32)
+
+
+@_attention_kernel.register_fake
+def _(qkv: torch.Tensor, heads: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    B, nW, N, C3 = qkv.shape
+    return qkv.new_empty((B, nW, N, C3 // 3)), qkv.new_empty((B * nW, heads, block), dtype=torch.float32)
+
+
+class _TritonAttn(torch.nn.Module):
+    """``model`` with Swin V1's training attention in :mod:`vtdense.layers.triton_window_attention`'s
+    kernels (the ``vtdense triton-attn`` rows). Fake tensors cannot launch a Triton kernel, so the
+    forward kernel is counted as one call of a stand-in op that makes its outputs; everything around
+    it, what autograd saves included, is the real code's."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> Any:
+        from vtdense.backbones import swin
+        from vtdense.layers import triton_window_attention as twa
+
+        def applies(windows: torch.Tensor, tokens: int, width: int, dropout: float) -> bool:
+            return torch.is_grad_enabled() and not dropout and tokens <= twa.MAX_WINDOW_TOKENS and width in twa._HEAD_WIDTHS
+
+        def launch(qkv: torch.Tensor, bias: torch.Tensor, masks: Any, scale: float, heads: int) -> Any:
+            return _attention_kernel(qkv, heads, max(16, 1 << (qkv.shape[2] - 1).bit_length()))
+
+        before = swin.triton_window_attention_applies, twa._launch_forward
+        swin.triton_window_attention_applies, twa._launch_forward = applies, launch
+        try:
+            return self.model(x)
+        finally:
+            swin.triton_window_attention_applies, twa._launch_forward = before
+
+
 def _detector_fpn() -> torch.nn.Module:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from contenders import PUBLISHED_DETECTOR
@@ -379,6 +421,7 @@ CASES: list[tuple[str, bool, int, tuple[int, int], dict[str, Callable[[], torch.
         "timm": lambda: _timm("mvitv2_tiny", (224, 224))}),
     ("Swin-T training forward, batch 8 at 512x768", True, 8, (512, 768), {
         "vtdense": lambda: _vtdense("swin_tiny"),
+        "vtdense triton-attn": lambda: _TritonAttn(_vtdense("swin_tiny")),
         "timm": lambda: _timm("swin_tiny_patch4_window7_224", (512, 768)),
         "timm fused": lambda: _timm("swin_tiny_patch4_window7_224", (512, 768), fused=True)}),
     ("SwinV2-T training forward, batch 8 at 512x768", True, 8, (512, 768), {
@@ -389,6 +432,7 @@ CASES: list[tuple[str, bool, int, tuple[int, int], dict[str, Callable[[], torch.
         "vtdense windows 56": lambda: _vtdense("mvitv2_tiny", window_size=56)}),
     ("Mask R-CNN backbone + FPN training forward (drop path 0.2), batch 2 at 800x1344", True, 2, (800, 1344), {
         "vtdense": _detector_fpn,
+        "vtdense triton-attn": lambda: _TritonAttn(_detector_fpn()),
         "torchvision R50-FPN v2": _torchvision_fpn}),
 ]
 

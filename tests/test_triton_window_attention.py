@@ -183,3 +183,32 @@ def test_the_benchmarks_triton_attn_contender_switches_the_kernels_on() -> None:
     with _SETTINGS[" triton-attn"]():
         assert twa.triton_window_attention_enabled()
     assert not twa.triton_window_attention_enabled()
+
+
+@pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11),
+                    reason="fake CUDA tensors need torch >= 2.11 on a machine without a GPU")
+def test_on_fake_cuda_the_kernels_replace_sdpa_and_the_copies_around_it() -> None:
+    """Counted on fake CUDA tensors (``benchmarks/launches.py``, the kernel a stand-in call): a Swin-T
+    training forward in bf16 with the kernels makes no SDPA call, about four ATen calls fewer per block
+    (the heads-first copy, the bias cast and, where a mask applies, the term's two), fewer copies, and
+    keeps less for the backward."""
+    import sys
+
+    from triton_interpreter import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import launches
+
+    import vtdense
+
+    def count(wrap: bool) -> launches.Count:
+        torch.manual_seed(0)
+        model = vtdense.create_backbone("swin_tiny", out_norm=False, drop_path_rate=0.0)
+        return launches.count_forward(launches._TritonAttn(model) if wrap else model,
+                                      lambda: torch.randn(2, 3, 128, 192, device="cuda"), train=True, dtype=torch.bfloat16)
+
+    default, kernels = count(False), count(True)
+    assert len(default.attention) == 12 and not kernels.attention
+    assert kernels.ops["triton_window_attention_forward"] == 12, kernels.ops
+    assert default.total - kernels.total >= 3 * 12, (default.total, kernels.total)
+    assert kernels.copies < default.copies and kernels.saved_bytes < default.saved_bytes

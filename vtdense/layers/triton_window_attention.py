@@ -223,25 +223,30 @@ def _block(tokens: int, next_pow2: Any) -> int:
     return max(16, next_pow2(tokens))
 
 
+def _launch_forward(qkv: Tensor, bias: Tensor, masks: Tensor | None, scale: float, heads: int) -> tuple[Tensor, Tensor]:
+    """The forward kernel: ``(out (B, nW, N, C), lse (B * nW, heads, block) float32)`` (see
+    :func:`window_attention`; ``masks`` the mask's bytes)."""
+    fwd, _, next_pow2, _ = _build()
+    B, nW, N, C3 = qkv.shape
+    C = C3 // 3
+    block = _block(N, next_pow2)
+    out = qkv.new_empty((B, nW, N, C))
+    lse = torch.empty((B * nW, heads, block), dtype=torch.float32, device=qkv.device)
+    if out.numel():
+        fwd[(B * nW, heads)](qkv, bias, masks, out, lse, nW, N, heads, scale, mask_value(), D=C // heads, BLOCK_N=block,
+                             HAS_MASK=masks is not None, PREC=_precision(qkv), UPCAST=_upcast(qkv), num_warps=4)
+    return out, lse
+
+
 class _WindowAttention(torch.autograd.Function):
     """See :func:`window_attention`."""
 
     @staticmethod
     def forward(ctx: Any, qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float, heads: int) -> Tensor:
-        fwd, _, next_pow2, _ = _build()
-        B, nW, N, C3 = qkv.shape
-        C = C3 // 3
         qkv = qkv.contiguous()
         bias = bias.contiguous()
         masks = mask.contiguous().view(torch.uint8) if mask is not None else None
-        block = _block(N, next_pow2)
-        out = qkv.new_empty((B, nW, N, C))
-        lse = torch.empty((B * nW, heads, block), dtype=torch.float32, device=qkv.device)
-        prec = _precision(qkv)
-        if out.numel():
-            fwd[(B * nW, heads)](qkv, bias, masks, out, lse, nW, N, heads, scale, mask_value(),
-                                 D=C // heads, BLOCK_N=block, HAS_MASK=masks is not None, PREC=prec,
-                                 UPCAST=_upcast(qkv), num_warps=4)
+        out, lse = _launch_forward(qkv, bias, masks, scale, heads)
         ctx.save_for_backward(qkv, bias, masks, out, lse)
         ctx.scale, ctx.heads = scale, heads
         return out
