@@ -21,9 +21,11 @@
 #   bench: results-cuda.json, RESULTS.md, bench.log   `benchmarks/run.py --device cuda --full` within BUDGET s
 #   all:   the files of both (8 in all, the most a device call returns), the last being
 #          profile.log                                   `benchmarks/profile_gpu.py --host --python`
-#   focus: checks.log                                    benchmarks/recompute_cost.py (one recomputed layer's host and
-#                                                        device cost), host_syncs.py --cuda (the detector step's waits, as
-#                                                        torch's sync debug mode reports them), host_split.py (the host's
+#   focus: checks.log                                    benchmarks/triton_attention_check.py (the Triton window attention
+#                                                        against SDPA's path per Swin-T block: values in fp32 and bf16,
+#                                                        us per forward + backward, the backward's settings swept;
+#                                                        recompute_cost.py and host_syncs.py --cuda, run in earlier
+#                                                        sessions, are left to run alone), host_split.py (the host's
 #                                                        ms per forward, backward and optimizer of the Swin-T and detector
 #                                                        training steps, unprofiled, contenders interleaved; with Swin
 #                                                        V1's attention in Triton kernels, `triton-attn`, no layer
@@ -86,7 +88,7 @@ elif [ "$mode" = focus ]; then
     rows='^Swin-T inference, batch 64|^Swin-T train step, batch 8 at 512x768, bf16$|^MViTv2-T inference, batch 64|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
     # One log for the three checks (a device call returns at most 8 files); each keeps its own limit.
     step checks bash -c 'rc=0
-        for c in "60 benchmarks/recompute_cost.py --device cuda --iters 100" "60 benchmarks/host_syncs.py --cuda" \
+        for c in "90 benchmarks/triton_attention_check.py --device cuda" \
                  "90 benchmarks/host_split.py --device cuda --case swin --contenders vtdense vtdense_triton-attn vtdense_unfused vtdense_triton-train timm_fused" \
                  "150 benchmarks/host_split.py --device cuda --case maskrcnn --contenders vtdense vtdense_triton-attn vtdense_unfused vtdense_triton-train torchvision"; do
             set -- $c; t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" || rc=$?

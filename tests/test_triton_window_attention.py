@@ -212,3 +212,28 @@ def test_on_fake_cuda_the_kernels_replace_sdpa_and_the_copies_around_it() -> Non
     assert kernels.ops["triton_window_attention_forward"] == 12, kernels.ops
     assert default.total - kernels.total >= 3 * 12, (default.total, kernels.total)
     assert kernels.copies < default.copies and kernels.saved_bytes < default.saved_bytes
+
+
+def test_the_gpu_check_script_runs_in_tritons_interpreter() -> None:
+    """``benchmarks/triton_attention_check.py`` (GPU only: CUDA events) runs its check and its
+    timings, the backward's settings swept, in Triton's interpreter at a tiny size, events stubbed."""
+    code = textwrap.dedent("""
+        import json, sys, torch
+        sys.path.insert(0, "benchmarks")
+        class Event:
+            def __init__(self, **kwargs): pass
+            def record(self): pass
+            def elapsed_time(self, other): return 1.0
+        torch.cuda.Event, torch.cuda.synchronize = Event, lambda: None
+        import triton_attention_check as t
+        stages = ((14, 21, 32, 1), (7, 11, 64, 2))
+        checks = t.check("cpu", batch=1, stages=stages)
+        times = t.timings("cpu", batch=1, repeats=1, stages=stages, sweep=((4, 4), (16, 8)))
+        print(json.dumps(dict(check=checks, times=times)))
+    """)
+    r = run_interpreted(code)
+    assert len(r["check"]) == 4 and len(r["times"]) == 6, r
+    for row in r["check"]:  # float32 exact to rounding; bf16 (upcast in the interpreter) within its rounding
+        bound = 1e-5 if row["dtype"] == "fp32" else 5e-2
+        assert max(row[k] for k in ("out", "x_grad", "qkv_weight_grad", "bias_table_grad")) <= bound, row
+    assert all(set(t) >= {"triton"} for t in r["times"]), r

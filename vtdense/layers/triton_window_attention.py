@@ -55,8 +55,10 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the most tokens a window may hold for the kernels (one program holds a window's whole score matrix)
 MAX_WINDOW_TOKENS = 64
 _HEAD_WIDTHS = (16, 32, 64, 128)
-#: programs the backward pass aims for (several per multiprocessor of an H100)
+#: programs the backward pass aims for (several per multiprocessor of an H100), and its warps per
+#: program; not yet tuned on a GPU (``benchmarks/triton_attention_check.py`` times other values)
 _BACKWARD_PROGRAMS = 1024
+_BACKWARD_WARPS = 8
 
 _enabled = False
 _kernels: Any = None
@@ -270,7 +272,7 @@ class _WindowAttention(torch.autograd.Function):
             bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, BW, nW, N, heads, ctx.scale,
                                  mask_value(), per, D=C3 // 3 // heads, BLOCK_N=block, HAS_MASK=masks is not None,
                                  PREC=_precision(qkv), NEED_DBIAS=need_bias, UPCAST=_upcast(qkv),
-                                 num_warps=8)  # (five 64x64 float32 tiles live at once: 8 warps hold them)
+                                 num_warps=_BACKWARD_WARPS)  # (five 64x64 float32 tiles live at once)
         grad_bias = None
         if need_bias:
             grad_bias = (parts.sum(1)[:, :N, :N] if chunks else parts.new_zeros((heads, N, N))).to(bias.dtype)
