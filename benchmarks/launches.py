@@ -372,7 +372,6 @@ class _TritonAttn(torch.nn.Module):
         self.model = model
 
     def forward(self, x: torch.Tensor) -> Any:
-        from vtdense.backbones import swin
         from vtdense.layers import triton_window_attention as twa
 
         def applies(windows: torch.Tensor, tokens: int, width: int, dropout: float) -> bool:
@@ -381,12 +380,12 @@ class _TritonAttn(torch.nn.Module):
         def launch(qkv: torch.Tensor, bias: torch.Tensor, masks: Any, scale: float, heads: int) -> Any:
             return _attention_kernel(qkv, heads, max(16, 1 << (qkv.shape[2] - 1).bit_length()))
 
-        before = swin.triton_window_attention_applies, twa._launch_forward
-        swin.triton_window_attention_applies, twa._launch_forward = applies, launch
+        before = twa.triton_window_attention_applies, twa._launch_forward
+        twa.triton_window_attention_applies, twa._launch_forward = applies, launch
         try:
             return self.model(x)
         finally:
-            swin.triton_window_attention_applies, twa._launch_forward = before
+            twa.triton_window_attention_applies, twa._launch_forward = before
 
 
 def _detector_fpn() -> torch.nn.Module:

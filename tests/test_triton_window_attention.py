@@ -79,11 +79,11 @@ def test_the_kernels_match_attention_in_tritons_interpreter() -> None:
 MODEL_CHECK = textwrap.dedent("""
     import json, torch
     import vtdense
-    from vtdense.backbones import swin
+    from vtdense.layers import triton_window_attention as twa
     from vtdense.layers.triton_window_attention import triton_window_attention
     calls = []
-    real = swin.triton_window_attention
-    swin.triton_window_attention = lambda *a: (calls.append(1), real(*a))[1]
+    real = twa.window_attention
+    twa.window_attention = lambda *a: (calls.append(1), real(*a))[1]
     torch.manual_seed(0)
     # shifted windows and padding (72x100: stage maps 18x25, 9x12, 4x6, 2x3; window 7)
     model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 2),
@@ -237,3 +237,36 @@ def test_the_gpu_check_script_runs_in_tritons_interpreter() -> None:
         bound = 1e-5 if row["dtype"] == "fp32" else 5e-2
         assert max(row[k] for k in ("out", "x_grad", "qkv_weight_grad", "bias_table_grad")) <= bound, row
     assert all(set(t) >= {"triton"} for t in r["times"]), r
+
+
+def test_a_kernel_that_fails_is_said_once_and_the_sdpa_path_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the forward kernel cannot build or launch (a driver, a Triton version), the first failure
+    is one warning naming it, the block's attention takes the SDPA path, and nothing is asked of the
+    kernels again: the training step goes on with the default path's values."""
+    import warnings
+
+    import vtdense
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the check then takes CPU tensors as it takes CUDA ones)
+    monkeypatch.setattr(twa, "_failed", None)
+    tries = []
+
+    def broken(*args: object) -> None:
+        tries.append(1)
+        raise RuntimeError("PTX JIT compilation failed\nmore detail")
+
+    monkeypatch.setattr(twa, "_launch_forward", broken)
+    torch.manual_seed(0)
+    model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 2),
+                                    drop_path_rate=0.0).train()
+    x = torch.randn(1, 3, 64, 64)
+    ref = model(x)
+    with warnings.catch_warnings(record=True) as seen, twa.triton_window_attention(True):
+        warnings.simplefilter("always")
+        out = model(x)
+        sum(f.sum() for f in out.values()).backward()
+        model(x)
+    said = [w for w in seen if "Triton window attention failed" in str(w.message)]
+    assert len(said) == 1 and "RuntimeError: PTX JIT compilation failed" in str(said[0].message)
+    assert tries == [1] and twa._failed is not None
+    assert all(torch.equal(out[k], ref[k]) for k in ref)

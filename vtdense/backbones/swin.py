@@ -41,8 +41,7 @@ from vtdense.layers.cpu_linear import apply_linear, linear, packed_weights
 from vtdense.layers.mlp import Mlp, norm_linear
 from vtdense.layers.plain import plain_layer_norm, plain_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
-from vtdense.layers.triton_window_attention import DTYPES as TRITON_DTYPES, triton_window_attention_applies
-from vtdense.layers.triton_window_attention import window_attention as triton_window_attention
+from vtdense.layers import triton_window_attention as triton_attention
 from vtdense.layers.windows import (
     effective_window,
     mask_value,
@@ -214,7 +213,8 @@ class WindowAttention(nn.Module):
         h = self.num_heads
         dropout = self.attn_drop if self.training else 0.0
         # CUDA training, when switched on: the attention in Triton kernels (see the module)
-        triton_attn = not self.cosine and term is None and triton_window_attention_applies(x, N, C // h, dropout)
+        triton_attn = (not self.cosine and term is None and (mask is None or mask.dtype == torch.bool)
+                       and triton_attention.triton_window_attention_applies(x, N, C // h, dropout))
         if (not triton_attn and norm is not None and not self.cosine and plain_layer_norm(norm) and plain_linear(self.qkv)
                 and qkv_window_attention_applies(x, dropout, 3 * x.numel() * x.element_size())):
             # CPU training: norm, qkv and attention over chunks of windows (see its module)
@@ -233,9 +233,10 @@ class WindowAttention(nn.Module):
             qkv = norm_linear(x, norm, self.qkv)
         else:
             qkv = apply_linear(self.qkv, x)
-        if triton_attn and qkv.requires_grad and qkv.dtype in TRITON_DTYPES:
-            out = triton_window_attention(qkv, self.position_bias(window), mask, (C // h) ** -0.5, h)
-            return self.proj_drop(apply_linear(self.proj, out))
+        if triton_attn and qkv.requires_grad and qkv.dtype in triton_attention.DTYPES:
+            out = triton_attention.window_attention(qkv, self.position_bias(window), mask, (C // h) ** -0.5, h)
+            if out is not None:  # (None: the kernel failed here, and said so once)
+                return self.proj_drop(apply_linear(self.proj, out))
         qkv = qkv.view(B, nW, N, 3, h, C // h)
         if term is None:
             term = self.attn_term(window, mask, qkv.dtype, x.device)

@@ -28,14 +28,15 @@ attn_term` builds them, and give the bias no gradient.
 Where it applies (:func:`triton_window_attention_applies`): switched on with
 :func:`set_triton_window_attention` (or :func:`triton_window_attention`), a gradient being recorded
 on a plain CUDA tensor (no graph being built), no attention dropout, windows of at most 64 tokens,
-a head width of 16, 32, 64 or 128, a float32 / bf16 / fp16 projection. Its backward pass is not itself differentiable (no
-``create_graph``).
+a head width of 16, 32, 64 or 128, a float32 / bf16 / fp16 projection, a boolean mask. Its backward
+pass is not itself differentiable (no ``create_graph``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -62,6 +63,8 @@ _BACKWARD_WARPS = 8
 
 _enabled = False
 _kernels: Any = None
+#: why the forward kernel failed on this machine (then the SDPA path runs), or None
+_failed: str | None = None
 
 
 def _build() -> Any:
@@ -199,7 +202,7 @@ def triton_window_attention_applies(x: Tensor, tokens: int, head_width: int, dro
         return False  # (tracing first: a size test in a graph being built would guard on the size)
     if not torch.is_grad_enabled() or dropout:
         return False
-    if tokens > MAX_WINDOW_TOKENS or head_width not in _HEAD_WIDTHS:
+    if tokens > MAX_WINDOW_TOKENS or head_width not in _HEAD_WIDTHS or _failed is not None:
         return False
     return interpreted or fused_norm._usable_on(x.device)
 
@@ -279,7 +282,7 @@ class _WindowAttention(torch.autograd.Function):
         return dqkv if ctx.needs_input_grad[0] else None, grad_bias, None, None, None
 
 
-def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float, heads: int) -> Tensor:
+def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float, heads: int) -> Tensor | None:
     """Attention within windows from the qkv projection's output, in the Triton kernels.
 
     Args:
@@ -291,6 +294,19 @@ def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: floa
 
     Returns:
         ``(B, nW, N, C)`` in ``qkv``'s dtype, heads side by side in the channels (as the output
-        projection reads them). Differentiable in ``qkv`` and ``bias`` (first order).
+        projection reads them). Differentiable in ``qkv`` and ``bias`` (first order). ``None`` where
+        the forward kernel failed to build or launch on this machine: the first failure is said
+        once, in a warning, and from then on :func:`triton_window_attention_applies` is ``False``
+        (the caller's other path runs).
     """
-    return _WindowAttention.apply(qkv, bias, mask, scale, heads)
+    global _failed
+    try:
+        return _WindowAttention.apply(qkv, bias, mask, scale, heads)
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as err:  # noqa: BLE001 (any failure of Triton's: fall back, once, loudly)
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        _failed = f"{type(err).__name__}: {first}"
+        warnings.warn(f"vtdense: the Triton window attention failed on this machine ({_failed}); Swin's "
+                      "training attention takes the SDPA path from now on", RuntimeWarning, stacklevel=2)
+        return None
