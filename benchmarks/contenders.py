@@ -20,7 +20,7 @@ Contender names:
   fn-recompute`` (training's recomputation through the autograd functions with a Python backward, the
   CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU), ``vtdense
   triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on),
-  ``vtdense triton-attn`` (CUDA training with Swin V1's attention in the Triton kernels of
+  ``vtdense triton-attn`` (CUDA training with Swin's attention in the Triton kernels of
   :mod:`vtdense.layers.triton_window_attention`),
   ``vtdense rc-all`` (training's recomputation in every layer, ``min_bytes=0``, where the default
   recomputes only layers whose activation has at least 8 MiB off the CPU), ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back and

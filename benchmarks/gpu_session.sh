@@ -22,13 +22,13 @@
 #   all:   the files of both (8 in all, the most a device call returns), the last being
 #          profile.log                                   `benchmarks/profile_gpu.py --host --python`
 #   focus: checks.log                                    benchmarks/triton_attention_check.py (the Triton window attention
-#                                                        against SDPA's path per Swin-T block: values in fp32 and bf16,
+#                                                        against SDPA's path per Swin block, V1 and V2: values in fp32 and bf16,
 #                                                        us per forward + backward, the backward's settings swept;
 #                                                        recompute_cost.py and host_syncs.py --cuda, run in earlier
 #                                                        sessions, are left to run alone), host_split.py (the host's
 #                                                        ms per forward, backward and optimizer of the Swin-T and detector
-#                                                        training steps, unprofiled, contenders interleaved; with Swin
-#                                                        V1's attention in Triton kernels, `triton-attn`, no layer
+#                                                        training steps, unprofiled, contenders interleaved; with
+#                                                        Swin's attention in Triton kernels, `triton-attn`, no layer
 #                                                        recomputed, `unfused`, and the Triton LayerNorm in
 #                                                        training, `triton-train`, in both)
 #          gpu_check.log                                 the attention paths' errors (fp32 vs math and vs float64, bf16), no compile

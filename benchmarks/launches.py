@@ -362,7 +362,7 @@ def _(qkv: torch.Tensor, heads: int, block: int) -> tuple[torch.Tensor, torch.Te
 
 
 class _TritonAttn(torch.nn.Module):
-    """``model`` with Swin V1's training attention in :mod:`vtdense.layers.triton_window_attention`'s
+    """``model`` with Swin's training attention in :mod:`vtdense.layers.triton_window_attention`'s
     kernels (the ``vtdense triton-attn`` rows). Fake tensors cannot launch a Triton kernel, so the
     forward kernel is counted as one call of a stand-in op that makes its outputs; everything around
     it, what autograd saves included, is the real code's."""
@@ -377,7 +377,7 @@ class _TritonAttn(torch.nn.Module):
         def applies(windows: torch.Tensor, tokens: int, width: int, dropout: float) -> bool:
             return torch.is_grad_enabled() and not dropout and tokens <= twa.MAX_WINDOW_TOKENS and width in twa._HEAD_WIDTHS
 
-        def launch(qkv: torch.Tensor, bias: torch.Tensor, masks: Any, scale: float, heads: int) -> Any:
+        def launch(qkv: torch.Tensor, bias: torch.Tensor, masks: Any, scale: float, heads: int, *cosine: Any) -> Any:
             return _attention_kernel(qkv, heads, max(16, 1 << (qkv.shape[2] - 1).bit_length()))
 
         before = twa.triton_window_attention_applies, twa._launch_forward
@@ -425,6 +425,7 @@ CASES: list[tuple[str, bool, int, tuple[int, int], dict[str, Callable[[], torch.
         "timm fused": lambda: _timm("swin_tiny_patch4_window7_224", (512, 768), fused=True)}),
     ("SwinV2-T training forward, batch 8 at 512x768", True, 8, (512, 768), {
         "vtdense": lambda: _vtdense("swinv2_tiny"),
+        "vtdense triton-attn": lambda: _TritonAttn(_vtdense("swinv2_tiny")),
         "timm": lambda: _timm("swinv2_tiny_window8_256", (512, 768))}),
     ("MViTv2-T training forward, batch 8 at 512x768", True, 8, (512, 768), {
         "vtdense": lambda: _vtdense("mvitv2_tiny"),

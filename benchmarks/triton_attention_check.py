@@ -1,12 +1,13 @@
-"""On a GPU: Swin V1's training attention in Triton kernels (:mod:`vtdense.layers.triton_window_attention`)
-against the default SDPA path, per block of Swin-T at batch 8 and 512x768.
+"""On a GPU: Swin's training attention in Triton kernels (:mod:`vtdense.layers.triton_window_attention`)
+against the default SDPA path, per block of Swin-T (and SwinV2-T's form) at batch 8 and 512x768.
 
     python benchmarks/triton_attention_check.py [--device cuda]
 
-Prints JSON lines. ``check``: for one shifted block of each stage, the largest difference of the
-block's output and of its input's, qkv weight's and bias table's gradients with the kernels against
-without, relative to the largest magnitude, in float32 (TF32 off) and under bf16 autocast (the GPU's
-bf16 products, which Triton's CPU interpreter cannot run). ``us``: microseconds per forward and
+Prints JSON lines. ``check``: for one shifted block of each stage, V1 and V2, the largest difference
+of the block's output and of its input's, qkv weight's and position bias's (V1's table, V2's Log-CPB
+MLP's first weight) gradients, and V2's logit scale's, with the kernels against without, relative to
+the largest magnitude, in float32 (TF32 off) and under bf16 autocast (the GPU's bf16 products,
+which Triton's CPU interpreter cannot run). ``us``: microseconds per forward and
 backward of the block's attention (qkv projection, attention, output projection) with and without
 the kernels, CUDA events around back-to-back calls, for the shifted and unshifted block of each stage;
 then the backward kernel's programs and warps swept (``_BACKWARD_PROGRAMS``, ``_BACKWARD_WARPS``) on
@@ -30,6 +31,10 @@ from vtdense.layers import triton_window_attention as twa
 STAGES = ((128, 192, 96, 3), (64, 96, 192, 6), (32, 48, 384, 12), (16, 24, 768, 24))
 
 
+def _position_param(block: SwinBlock) -> torch.Tensor:
+    return block.attn.cpb_mlp[0].weight if block.post_norm else block.attn.relative_position_bias_table
+
+
 def _block_step(block: SwinBlock, x: torch.Tensor, dtype: torch.dtype | None) -> Callable[[], Any]:
     """One forward and backward of ``block``'s windowed attention on ``x`` ``(B, H, W, C)``, the
     same upstream gradient every time."""
@@ -38,7 +43,7 @@ def _block_step(block: SwinBlock, x: torch.Tensor, dtype: torch.dtype | None) ->
     def step() -> Any:
         x.grad = None
         with torch.autocast(x.device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-            out = block._window_attention(x, norm=block.norm1)
+            out = block._window_attention(x, norm=None if block.post_norm else block.norm1)
         out.float().backward(up)
         return out
 
@@ -58,12 +63,16 @@ def _time(fn: Callable[[], Any], repeats: int) -> float:
     return round(start.elapsed_time(end) * 1000 / repeats, 1)
 
 
-def _make(stage: tuple[int, int, int, int], shifted: bool, batch: int, device: str) -> tuple[SwinBlock, torch.Tensor]:
+def _make(stage: tuple[int, int, int, int], shifted: bool, batch: int, device: str,
+          v2: bool = False) -> tuple[SwinBlock, torch.Tensor]:
     H, W, C, heads = stage
     torch.manual_seed(0)
-    block = SwinBlock(C, heads, (7, 7), shifted=shifted).to(device).train()
+    block = SwinBlock(C, heads, (8, 8) if v2 else (7, 7), shifted=shifted, post_norm=v2).to(device).train()
     with torch.no_grad():
-        block.attn.relative_position_bias_table.normal_(0, 0.5)
+        if v2:
+            block.attn.logit_scale.copy_(torch.linspace(1.0, 3.0, heads).view_as(block.attn.logit_scale))
+        else:
+            block.attn.relative_position_bias_table.normal_(0, 0.5)
     x = torch.randn(batch, H, W, C, device=device, requires_grad=True)
     return block, x
 
@@ -75,19 +84,21 @@ def check(device: str, batch: int = 2, stages: tuple = STAGES) -> list[dict]:
     rows = []
     try:
         for i, stage in enumerate(stages):
-            for dtype in (None, torch.bfloat16):
-                block, x = _make(stage, True, batch, device)
-                params = (block.attn.qkv.weight, block.attn.relative_position_bias_table)
-                got = {}
-                for on in (False, True):
-                    for p in params:
-                        p.grad = None
-                    with twa.triton_window_attention(on):
-                        out = _block_step(block, x, dtype)()
-                    got[on] = [out.detach().float(), x.grad.clone(), *(p.grad.clone() for p in params)]
-                rel = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got[True], got[False])]
-                rows.append(dict(stage=i + 1, dtype="bf16" if dtype else "fp32",
-                                 **dict(zip(("out", "x_grad", "qkv_weight_grad", "bias_table_grad"), rel))))
+            for v2 in (False, True):
+                for dtype in (None, torch.bfloat16):
+                    block, x = _make(stage, True, batch, device, v2)
+                    params = (block.attn.qkv.weight, _position_param(block)) + ((block.attn.logit_scale,) if v2 else ())
+                    got = {}
+                    for on in (False, True):
+                        for p in params:
+                            p.grad = None
+                        with twa.triton_window_attention(on):
+                            out = _block_step(block, x, dtype)()
+                        got[on] = [out.detach().float(), x.grad.clone(), *(p.grad.clone() for p in params)]
+                    rel = [((a - b).abs().max() / b.abs().max()).item() for a, b in zip(got[True], got[False])]
+                    rows.append(dict(stage=i + 1, family="v2" if v2 else "v1", dtype="bf16" if dtype else "fp32",
+                                     **dict(zip(("out", "x_grad", "qkv_weight_grad", "position_grad", "logit_scale_grad"),
+                                                rel))))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
     return rows
@@ -106,6 +117,13 @@ def timings(device: str, batch: int = 8, repeats: int = 50, stages: tuple = STAG
                 with twa.triton_window_attention(on):
                     row["triton" if on else "sdpa"] = _time(step, repeats)
             rows.append(row)
+    block, x = _make(stages[0], True, batch, device, v2=True)  # SwinV2-T's first stage, window 8
+    step = _block_step(block, x, torch.bfloat16)
+    row = dict(stage=1, shifted=True, family="v2")
+    for on in (False, True):
+        with twa.triton_window_attention(on):
+            row["triton" if on else "sdpa"] = _time(step, repeats)
+    rows.append(row)
     block, x = _make(stages[0], True, batch, device)
     step = _block_step(block, x, torch.bfloat16)
     before = twa._BACKWARD_PROGRAMS, twa._BACKWARD_WARPS

@@ -17,15 +17,19 @@ from triton_interpreter import run_interpreted
 from vtdense.layers import triton_window_attention as twa
 
 KERNEL_CHECK = textwrap.dedent("""
-    import json, torch
+    import json, math, torch
     from vtdense.layers.triton_window_attention import window_attention
     torch.manual_seed(0)
 
-    def reference(qkv, bias, mask, scale, h):
-        # the attention as vtdense's math path computes it, in float64
+    def reference(qkv, bias, mask, scale, h, logit=None):
+        # the attention as vtdense's math path computes it, in float64 (Swin V2's scaled cosine with a logit scale)
         B, nW, N, C3 = qkv.shape
         C = C3 // 3
         q, k, v = qkv.double().view(B, nW, N, 3, h, C // h).permute(3, 0, 1, 4, 2, 5).unbind(0)
+        if logit is not None:
+            q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+            scale = torch.clamp(logit.double(), max=math.log(100)).exp().view(1, 1, h, 1, 1)
         t = bias.double()[None, None]
         if mask is not None:
             t = torch.where(mask[None, :, None], torch.tensor(-1e4, dtype=torch.float64), t)
@@ -33,10 +37,14 @@ KERNEL_CHECK = textwrap.dedent("""
         return o.transpose(2, 3).reshape(B, nW, N, C)
 
     rows = []
-    for B, nW, N, h, d, masked, dtype, bias_grad in [
-            (2, 3, 49, 2, 16, True, torch.float32, True), (1, 4, 16, 3, 32, False, torch.float32, True),
-            (1, 2, 64, 1, 64, True, torch.float32, False), (2, 3, 49, 2, 32, True, torch.bfloat16, True),
-            (1, 2, 9, 2, 16, False, torch.bfloat16, True)]:
+    for B, nW, N, h, d, masked, dtype, bias_grad, logits in [
+            (2, 3, 49, 2, 16, True, torch.float32, True, None), (1, 4, 16, 3, 32, False, torch.float32, True, None),
+            (1, 2, 64, 1, 64, True, torch.float32, False, None), (2, 3, 49, 2, 32, True, torch.bfloat16, True, None),
+            (1, 2, 9, 2, 16, False, torch.bfloat16, True, None),
+            # Swin V2: one logit scale above the clamp (no gradient), one at timm's initial log(10)
+            (2, 3, 49, 2, 16, True, torch.float32, True, [math.log(10), 5.0]),
+            (1, 2, 64, 3, 32, False, torch.float32, True, [2.0, -1.0, 4.5]),
+            (2, 3, 49, 2, 32, True, torch.bfloat16, True, [math.log(10), 1.0])]:
         qkv0 = torch.randn(B, nW, N, 3 * h * d).to(dtype)
         bias0 = torch.randn(h, N, N)
         mask = (torch.rand(nW, N, N) < 0.3) if masked else None
@@ -44,40 +52,53 @@ KERNEL_CHECK = textwrap.dedent("""
             mask[:, :, 0] = False  # no row wholly blocked (Swin's never is: a token sees itself)
         up = torch.randn(B, nW, N, h * d).to(dtype)
         qkv, bias = qkv0.clone().requires_grad_(), bias0.clone().requires_grad_(bias_grad)
-        out = window_attention(qkv, bias, mask, d ** -0.5, h)
+        logit0 = torch.tensor(logits).view(h, 1, 1) if logits else None
+        logit = logit0.clone().requires_grad_() if logits else None
+        scale = 1.0 if logits else d ** -0.5
+        out = window_attention(qkv, bias, mask, scale, h, logit, math.log(100))
         out.backward(up)
         qkv_r, bias_r = qkv0.double().requires_grad_(), bias0.double().requires_grad_()
-        ref = reference(qkv_r, bias_r, mask, d ** -0.5, h)
+        logit_r = logit0.double().requires_grad_() if logits else None
+        ref = reference(qkv_r, bias_r, mask, scale, h, logit_r)
         ref.backward(up.double())
 
         def err(a, b):
             return ((a.double() - b).abs().max() / b.abs().max()).item()
 
-        rows.append(dict(dtype=str(dtype), out_dtype=str(out.dtype), grad_dtype=str(qkv.grad.dtype),
+        rows.append(dict(dtype=str(dtype), out_dtype=str(out.dtype), grad_dtype=str(qkv.grad.dtype), cosine=bool(logits),
                          bias_grad=None if bias.grad is None else err(bias.grad, bias_r.grad),
                          bias_grad_dtype=None if bias.grad is None else str(bias.grad.dtype),
-                         out=err(out, ref), qkv_grad=err(qkv.grad, qkv_r.grad)))
+                         out=err(out, ref), qkv_grad=err(qkv.grad, qkv_r.grad),
+                         logit_grad=err(logit.grad, logit_r.grad) if logits else None,
+                         logit_grad_clamped=logit.grad.flatten()[torch.tensor(logits) > math.log(100)].tolist() if logits else None))
     print(json.dumps(rows))
 """)
 
 
 def test_the_kernels_match_attention_in_tritons_interpreter() -> None:
     rows = run_interpreted(KERNEL_CHECK)
-    assert len(rows) == 5
+    assert len(rows) == 8
     for r in rows:
         assert r["out_dtype"] == r["grad_dtype"] == r["dtype"], r
-        if r["dtype"] == "torch.float32":
+        fp32 = r["dtype"] == "torch.float32"
+        if r["cosine"]:  # scores up to 100x a cosine: float32's rounding grows with them
+            bound = 1e-5 if fp32 else 0.1
+            assert max(r["out"], r["qkv_grad"], r["bias_grad"]) <= bound, r
+            assert r["logit_grad"] <= 10 * bound, r  # a sum over every score of a head: rounding adds up
+            assert all(g == 0 for g in r["logit_grad_clamped"]), r  # above the clamp: no gradient
+        elif fp32:
             assert r["out"] <= 1e-6 and r["qkv_grad"] <= 1e-6, r
         else:  # the probabilities and the gradients' operands rounded to bf16, as SDPA's fused kernels do
             assert r["out"] <= 2e-2 and r["qkv_grad"] <= 3e-2, r
-        if r["bias_grad"] is not None:
+        if r["bias_grad"] is not None and not r["cosine"]:
             assert r["bias_grad_dtype"] == "torch.float32"
-            assert r["bias_grad"] <= (1e-6 if r["dtype"] == "torch.float32" else 3e-2), r
+            assert r["bias_grad"] <= (1e-6 if fp32 else 3e-2), r
     assert rows[2]["bias_grad"] is None  # the bias without a gradient: that kernel variant ran too
+    assert rows[5]["logit_grad_clamped"] == [0.0]
 
 
 MODEL_CHECK = textwrap.dedent("""
-    import json, torch
+    import json, sys, torch
     import vtdense
     from vtdense.layers import triton_window_attention as twa
     from vtdense.layers.triton_window_attention import triton_window_attention
@@ -86,8 +107,11 @@ MODEL_CHECK = textwrap.dedent("""
     twa.window_attention = lambda *a: (calls.append(1), real(*a))[1]
     torch.manual_seed(0)
     # shifted windows and padding (72x100: stage maps 18x25, 9x12, 4x6, 2x3; window 7)
-    model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 2),
+    model = vtdense.create_backbone(sys.argv[1], embed_dim=32, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 2),
                                     drop_path_rate=0.0).train()
+    if sys.argv[1].startswith("swinv2"):  # logit scales apart, one above the clamp (log(100))
+        for i, blk in enumerate(b for stage in model.layers for b in stage.blocks):
+            blk.attn.logit_scale.data = torch.linspace(1.0, 4.0 + 0.4 * i, blk.attn.logit_scale.numel()).view_as(blk.attn.logit_scale)
     x = torch.randn(2, 3, 72, 100)
 
     def run(on):
@@ -102,18 +126,37 @@ MODEL_CHECK = textwrap.dedent("""
     n_on = len(calls)
     out_off, grads_off, x_off = run(False)
     rel = {n: ((grads_on[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in grads_off.items()}
+    # and both against the default path in float64
+    model.double()
+    x = x.double()
+    out_64, grads_64, x_64 = run(False)
+
+    def err(outs, grads, xg):
+        return dict(out=max(((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(outs, out_64)),
+                    grad=max(((grads[n].double() - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+                             for n, g in grads_64.items()),
+                    x_grad=((xg.double() - x_64).abs().max() / x_64.abs().max()).item())
+
     print(json.dumps(dict(calls_on=n_on, calls_off=len(calls) - n_on, params=len(rel),
                           out=max((a - b).abs().max().item() for a, b in zip(out_on, out_off)),
-                          grad=max(rel.values()), x_grad=((x_on - x_off).abs().max() / x_off.abs().max()).item())))
+                          grad=max(rel.values()), x_grad=((x_on - x_off).abs().max() / x_off.abs().max()).item(),
+                          on_vs_64=err(out_on, grads_on, x_on), off_vs_64=err(out_off, grads_off, x_off))))
 """)
 
 
-def test_a_swin_trains_through_the_kernels_in_tritons_interpreter() -> None:
-    """Every block of a Swin V1 takes the kernels when they apply, shifted and padded windows
-    included, and the outputs and every gradient are the default path's (float32)."""
-    r = run_interpreted(MODEL_CHECK)
-    assert r["calls_on"] == 8 and r["calls_off"] == 0, r
-    assert r["out"] <= 1e-5 and r["grad"] <= 1e-5 and r["x_grad"] <= 1e-5 and r["params"] > 40, r
+@pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny"])
+def test_a_swin_trains_through_the_kernels_in_tritons_interpreter(name: str) -> None:
+    """Every block of a Swin V1 or V2 takes the kernels when they apply, shifted and padded windows
+    included, and the outputs and every gradient (V2's logit scales and Log-CPB MLP included) are
+    the default path's (float32)."""
+    r = run_interpreted(MODEL_CHECK.replace("sys.argv[1]", repr(name)))
+    assert r["calls_on"] == 8 and r["calls_off"] == 0 and r["params"] > 40, r
+    if name == "swin_tiny":
+        assert r["out"] <= 1e-5 and r["grad"] <= 1e-5 and r["x_grad"] <= 1e-5, r
+    else:  # scores up to 100 cosines: both float32 paths are 1e-4 from float64; the kernels no further
+        for k in ("out", "grad", "x_grad"):
+            assert r["on_vs_64"][k] <= 2 * r["off_vs_64"][k] + 1e-6, (k, r)
+        assert r["out"] <= 1e-3 and r["grad"] <= 1e-3, r
 
 
 def test_off_by_default_and_only_where_the_kernels_fit() -> None:
@@ -136,9 +179,10 @@ def test_where_the_kernels_apply(monkeypatch: pytest.MonkeyPatch, tokens: int, w
         assert twa.triton_window_attention_applies(x, tokens, width, dropout) is applies
 
 
-@pytest.mark.parametrize("kernel,dtype,masked", [("forward", "bf16", True), ("forward", "fp32", False),
-                                                  ("backward", "bf16", True), ("backward", "fp16", False)])
-def test_the_kernels_compile_for_hopper(kernel: str, dtype: str, masked: bool) -> None:
+@pytest.mark.parametrize("kernel,dtype,masked,cosine", [
+    ("forward", "bf16", True, False), ("forward", "fp32", False, False), ("backward", "bf16", True, False),
+    ("backward", "fp16", False, False), ("forward", "bf16", True, True), ("backward", "bf16", True, True)])
+def test_the_kernels_compile_for_hopper(kernel: str, dtype: str, masked: bool, cosine: bool) -> None:
     """Triton compiles both kernels to a cubin for sm_90 (the H100/H200) without a GPU: the typing
     errors the CPU interpreter lets through fail here."""
     import triton
@@ -148,20 +192,26 @@ def test_the_kernels_compile_for_hopper(kernel: str, dtype: str, masked: bool) -
     fwd, bwd, _, _ = twa._build()
     t = f"*{dtype}"
     mask = "*u8" if masked else "constexpr"
-    common = {"QKV": t, "BIAS": "*fp32", "MASK": mask, "OUT": t}
-    consts: dict = {"D": 32, "BLOCK_N": 64, "HAS_MASK": masked, "PREC": "ieee" if dtype == "fp32" else "tf32", "UPCAST": False}
+    common = {"QKV": t, "BIAS": "*fp32" if not cosine else t, "MASK": mask, "OUT": t}
+    logit = "*fp32" if cosine else "constexpr"
+    consts: dict = {"D": 32, "BLOCK_N": 64, "HAS_MASK": masked, "PREC": "ieee" if dtype == "fp32" else "tf32", "UPCAST": False,
+                    "COSINE": cosine}
     if not masked:
         consts["MASK"] = None
+    if not cosine:
+        consts.update(LOGIT=None, **({} if kernel == "forward" else {"DLOGIT": None}))
     if kernel == "forward":
         fn = fwd
-        signature = {**common, "LSE": "*fp32", "nW": "i32", "N": "i32", "H": "i32", "scale": "fp32",
-                     "MASKED_VALUE": "fp32"}
+        signature = {**common, "LSE": "*fp32", "LOGIT": logit, "nW": "i32", "N": "i32", "H": "i32", "scale": "fp32",
+                     "MASKED_VALUE": "fp32", "LOGIT_MAX": "fp32"}
     else:
         fn = bwd
-        signature = {**common, "DOUT": t, "LSE": "*fp32", "DQKV": t, "DBIAS": "*fp32", "BW": "i32", "nW": "i32",
-                     "N": "i32", "H": "i32", "scale": "fp32", "MASKED_VALUE": "fp32", "WPP": "i32"}
+        signature = {**common, "DOUT": t, "LSE": "*fp32", "DQKV": t, "DBIAS": "*fp32", "LOGIT": logit, "DLOGIT": logit,
+                     "BW": "i32", "nW": "i32", "N": "i32", "H": "i32", "scale": "fp32", "MASKED_VALUE": "fp32",
+                     "LOGIT_MAX": "fp32", "WPP": "i32"}
         consts.update(NEED_DBIAS=True)
-    signature.update({k: "constexpr" for k in ("D", "BLOCK_N", "HAS_MASK", "PREC", "NEED_DBIAS", "UPCAST") if k in consts})
+    signature.update({k: "constexpr" for k in ("D", "BLOCK_N", "HAS_MASK", "PREC", "NEED_DBIAS", "UPCAST", "COSINE")
+                      if k in consts})
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if kernel == "forward" else 8})
     assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
@@ -232,10 +282,11 @@ def test_the_gpu_check_script_runs_in_tritons_interpreter() -> None:
         print(json.dumps(dict(check=checks, times=times)))
     """)
     r = run_interpreted(code)
-    assert len(r["check"]) == 2 and len(r["times"]) == 4, r
+    assert len(r["check"]) == 4 and len(r["times"]) == 5, r
     for row in r["check"]:  # float32 exact to rounding; bf16 (upcast in the interpreter) within its rounding
-        bound = 1e-5 if row["dtype"] == "fp32" else 5e-2
-        assert max(row[k] for k in ("out", "x_grad", "qkv_weight_grad", "bias_table_grad")) <= bound, row
+        keys = ("out", "x_grad", "qkv_weight_grad", "position_grad") + (("logit_scale_grad",) if row["family"] == "v2" else ())
+        bound = (1e-5 if row["family"] == "v1" else 1e-4) if row["dtype"] == "fp32" else 5e-2
+        assert max(row[k] for k in keys) <= bound, row
     assert all(set(t) >= {"triton"} for t in r["times"]), r
 
 

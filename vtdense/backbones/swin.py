@@ -213,7 +213,7 @@ class WindowAttention(nn.Module):
         h = self.num_heads
         dropout = self.attn_drop if self.training else 0.0
         # CUDA training, when switched on: the attention in Triton kernels (see the module)
-        triton_attn = (not self.cosine and term is None and (mask is None or mask.dtype == torch.bool)
+        triton_attn = (term is None and (mask is None or mask.dtype == torch.bool)
                        and triton_attention.triton_window_attention_applies(x, N, C // h, dropout))
         if (not triton_attn and norm is not None and not self.cosine and plain_layer_norm(norm) and plain_linear(self.qkv)
                 and qkv_window_attention_applies(x, dropout, 3 * x.numel() * x.element_size())):
@@ -234,7 +234,11 @@ class WindowAttention(nn.Module):
         else:
             qkv = apply_linear(self.qkv, x)
         if triton_attn and qkv.requires_grad and qkv.dtype in triton_attention.DTYPES:
-            out = triton_attention.window_attention(qkv, self.position_bias(window), mask, (C // h) ** -0.5, h)
+            if self.cosine:
+                out = triton_attention.window_attention(qkv, self.position_bias(window), mask, 1.0, h,
+                                                        self.logit_scale, _logit_scale_max())
+            else:
+                out = triton_attention.window_attention(qkv, self.position_bias(window), mask, (C // h) ** -0.5, h)
             if out is not None:  # (None: the kernel failed here, and said so once)
                 return self.proj_drop(apply_linear(self.proj, out))
         qkv = qkv.view(B, nW, N, 3, h, C // h)

@@ -1,5 +1,5 @@
-"""Swin V1's windowed attention for training in two Triton kernels (CUDA). Off by default: not yet
-timed on a GPU.
+"""Swin's windowed attention (V1, and V2's scaled cosine) for training in two Triton kernels (CUDA).
+Off by default: not yet timed on a GPU.
 
 In training, Swin's attention runs SDPA's memory-efficient kernel (its additive term needs a
 gradient, which the cuDNN and flash kernels do not give). Around it, every block then also runs:
@@ -18,6 +18,12 @@ online softmax. The backward pass is one more kernel: each program walks a run o
 head, recomputes their probabilities from the forward's row log-sum-exps, writes the gradients of
 q, k and v into one tensor in the projection's layout, and sums the bias gradient of its windows
 in registers; one ``sum`` over the programs' partial sums finishes it (deterministic: no atomics).
+
+Swin V2 (``logit_scale`` given): each program also scales its q rows by ``exp(min(logit_scale,
+log(100))) / |q|`` and its k rows by ``1 / |k|`` in float32 and rounds them to the inputs' dtype, as
+the SDPA path writes them, and the backward takes the gradients of q and k through those norms and
+sums the logit scale's gradient per program. What that saves besides the above: the norms, the
+scaled q and k written heads-first, and their gradients.
 
 Values: the score matrix is accumulated in float32, the probabilities are rounded to the inputs'
 dtype before multiplying ``v`` (as SDPA's fused kernels do), and the bias enters in float32 where
@@ -76,9 +82,9 @@ def _build() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def _forward(QKV, BIAS, MASK, OUT, LSE, nW, N, H, scale, MASKED_VALUE,
+    def _forward(QKV, BIAS, MASK, OUT, LSE, LOGIT, nW, N, H, scale, MASKED_VALUE, LOGIT_MAX,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
-                 UPCAST: tl.constexpr):
+                 UPCAST: tl.constexpr, COSINE: tl.constexpr):
         # one program: window bw (of B * nW), head hh; q, k, v at (bw, n, 0/1/2, hh, :) of (B*nW, N, 3, H, D)
         bw = tl.program_id(0).to(tl.int64)
         hh = tl.program_id(1)
@@ -91,6 +97,13 @@ def _build() -> Any:
         q = tl.load(QKV + offs, mask=lmask, other=0.0)
         k = tl.load(QKV + offs + C, mask=lmask, other=0.0)
         v = tl.load(QKV + offs + 2 * C, mask=lmask, other=0.0)
+        if COSINE:  # Swin V2: q * logit_scale / |q| and k / |k|, rounded to the inputs' dtype
+            qf, kf = q.to(tl.float32), k.to(tl.float32)
+            iq = 1.0 / tl.maximum(tl.sqrt(tl.sum(qf * qf, 1)), 1e-12)
+            ik = 1.0 / tl.maximum(tl.sqrt(tl.sum(kf * kf, 1)), 1e-12)
+            sc = tl.exp(tl.minimum(tl.load(LOGIT + hh).to(tl.float32), LOGIT_MAX))
+            q = (qf * (iq * sc)[:, None]).to(QKV.dtype.element_ty)
+            k = (kf * ik[:, None]).to(QKV.dtype.element_ty)
         if UPCAST:  # (see _upcast)
             q, k, v = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32)
         pair = rows[:, None] * N + rows[None, :]
@@ -114,9 +127,9 @@ def _build() -> Any:
         tl.store(LSE + (bw * H + hh) * BLOCK_N + rows, m + tl.log(denom))
 
     @triton.jit
-    def _backward(QKV, BIAS, MASK, OUT, DOUT, LSE, DQKV, DBIAS, BW, nW, N, H, scale, MASKED_VALUE, WPP,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
-                  NEED_DBIAS: tl.constexpr, UPCAST: tl.constexpr):
+    def _backward(QKV, BIAS, MASK, OUT, DOUT, LSE, DQKV, DBIAS, LOGIT, DLOGIT, BW, nW, N, H, scale, MASKED_VALUE,
+                  LOGIT_MAX, WPP, D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+                  PREC: tl.constexpr, NEED_DBIAS: tl.constexpr, UPCAST: tl.constexpr, COSINE: tl.constexpr):
         # one program: head hh, windows [chunk * WPP, (chunk + 1) * WPP) of B * nW (WPP a run-time
         # value: a new image size must not compile the kernel again)
         hh = tl.program_id(0)
@@ -129,6 +142,9 @@ def _build() -> Any:
         pvalid = rvalid[:, None] & rvalid[None, :]
         t0 = tl.load(BIAS + hh * N * N + pair, mask=pvalid, other=0.0).to(tl.float32)
         acc = tl.zeros((BLOCK_N, BLOCK_N), dtype=tl.float32)
+        if COSINE:
+            sc = tl.exp(tl.minimum(tl.load(LOGIT + hh).to(tl.float32), LOGIT_MAX))
+            dsc = tl.zeros((BLOCK_N,), dtype=tl.float32)  # the logit scale's gradient, per row, summed
         for i in range(WPP):
             bw = chunk.to(tl.int64) * WPP + i
             live = bw < BW
@@ -141,6 +157,16 @@ def _build() -> Any:
             o = tl.load(OUT + out_offs, mask=lmask, other=0.0)
             do = tl.load(DOUT + out_offs, mask=lmask, other=0.0)
             lse = tl.load(LSE + (bw * H + hh) * BLOCK_N + rows, mask=rvalid & live, other=0.0)
+            if COSINE:  # the forward's scaled q and k again, and what their gradients need
+                qf, kf = q.to(tl.float32), k.to(tl.float32)
+                nq = tl.sqrt(tl.sum(qf * qf, 1))
+                nk = tl.sqrt(tl.sum(kf * kf, 1))
+                iq = 1.0 / tl.maximum(nq, 1e-12)
+                ik = 1.0 / tl.maximum(nk, 1e-12)
+                qn = qf * iq[:, None]
+                kn = kf * ik[:, None]
+                q = (qf * (iq * sc)[:, None]).to(QKV.dtype.element_ty)
+                k = kn.to(QKV.dtype.element_ty)
             if UPCAST:
                 q, k, v, do = q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), do.to(tl.float32)
             t = t0
@@ -162,6 +188,11 @@ def _build() -> Any:
                 dsr = dsr.to(tl.float32)
             dq = tl.dot(dsr, k, input_precision=PREC) * scale
             dk = tl.dot(tl.trans(dsr), q, input_precision=PREC) * scale
+            if COSINE:  # through q * sc / |q| and k / |k| (a norm clamped at 1e-12 passes no gradient)
+                dsc += tl.sum(dq * qn, 1)
+                dqn = dq * sc
+                dq = tl.where((nq >= 1e-12)[:, None], (dqn - qn * tl.sum(dqn * qn, 1)[:, None]), dqn) * iq[:, None]
+                dk = tl.where((nk >= 1e-12)[:, None], (dk - kn * tl.sum(dk * kn, 1)[:, None]), dk) * ik[:, None]
             tl.store(DQKV + offs, dq.to(DQKV.dtype.element_ty), mask=lmask)
             tl.store(DQKV + offs + C, dk.to(DQKV.dtype.element_ty), mask=lmask)
             tl.store(DQKV + offs + 2 * C, dv.to(DQKV.dtype.element_ty), mask=lmask)
@@ -172,13 +203,17 @@ def _build() -> Any:
         if NEED_DBIAS:
             square = rows[:, None] * BLOCK_N + rows[None, :]
             tl.store(DBIAS + (hh * tl.num_programs(1) + chunk).to(tl.int64) * BLOCK_N * BLOCK_N + square, acc)
+        if COSINE:  # d(logit_scale) = d(sc) * sc where the clamp passes it
+            ls = tl.load(LOGIT + hh).to(tl.float32)
+            g = tl.where(ls <= LOGIT_MAX, tl.sum(dsc, 0) * sc, 0.0)
+            tl.store(DLOGIT + hh * tl.num_programs(1) + chunk, g)
 
     _kernels = (_forward, _backward, triton.next_power_of_2, triton.cdiv)
     return _kernels
 
 
 def set_triton_window_attention(enabled: bool) -> None:
-    """Switch the Triton window attention on or off for Swin V1's training (off by default)."""
+    """Switch the Triton window attention on or off for Swin's training (off by default)."""
     global _enabled
     _enabled = bool(enabled)
 
@@ -196,7 +231,7 @@ def triton_window_attention(enabled: bool) -> contextlib.AbstractContextManager[
 def triton_window_attention_applies(x: Tensor, tokens: int, head_width: int, dropout: float) -> bool:
     """Whether :func:`window_attention` may run for the windows ``x`` ``(B, nW, N, C)`` of a block
     in training (see the module's docstring). The caller also checks that its qkv projection's
-    output needs a gradient and has one of :data:`DTYPES`, and that its bias is Swin V1's table."""
+    output needs a gradient and has one of :data:`DTYPES`."""
     interpreted = _interpreted(x)
     if not _enabled or type(x) is not Tensor or (x.device.type != "cuda" and not interpreted) or tracing():
         return False  # (tracing first: a size test in a graph being built would guard on the size)
@@ -228,9 +263,10 @@ def _block(tokens: int, next_pow2: Any) -> int:
     return max(16, next_pow2(tokens))
 
 
-def _launch_forward(qkv: Tensor, bias: Tensor, masks: Tensor | None, scale: float, heads: int) -> tuple[Tensor, Tensor]:
+def _launch_forward(qkv: Tensor, bias: Tensor, masks: Tensor | None, scale: float, heads: int,
+                    logit: Tensor | None = None, logit_max: float = 0.0) -> tuple[Tensor, Tensor]:
     """The forward kernel: ``(out (B, nW, N, C), lse (B * nW, heads, block) float32)`` (see
-    :func:`window_attention`; ``masks`` the mask's bytes)."""
+    :func:`window_attention`; ``masks`` the mask's bytes, ``logit`` the ``(heads,)`` logit scale)."""
     fwd, _, next_pow2, _ = _build()
     B, nW, N, C3 = qkv.shape
     C = C3 // 3
@@ -238,8 +274,9 @@ def _launch_forward(qkv: Tensor, bias: Tensor, masks: Tensor | None, scale: floa
     out = qkv.new_empty((B, nW, N, C))
     lse = torch.empty((B * nW, heads, block), dtype=torch.float32, device=qkv.device)
     if out.numel():
-        fwd[(B * nW, heads)](qkv, bias, masks, out, lse, nW, N, heads, scale, mask_value(), D=C // heads, BLOCK_N=block,
-                             HAS_MASK=masks is not None, PREC=_precision(qkv), UPCAST=_upcast(qkv), num_warps=4)
+        fwd[(B * nW, heads)](qkv, bias, masks, out, lse, logit, nW, N, heads, scale, mask_value(), logit_max,
+                             D=C // heads, BLOCK_N=block, HAS_MASK=masks is not None, PREC=_precision(qkv),
+                             UPCAST=_upcast(qkv), COSINE=logit is not None, num_warps=4)
     return out, lse
 
 
@@ -247,20 +284,23 @@ class _WindowAttention(torch.autograd.Function):
     """See :func:`window_attention`."""
 
     @staticmethod
-    def forward(ctx: Any, qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float, heads: int) -> Tensor:
+    def forward(ctx: Any, qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float, heads: int,
+                logit_scale: Tensor | None, logit_max: float) -> Tensor:
         qkv = qkv.contiguous()
         bias = bias.contiguous()
         masks = mask.contiguous().view(torch.uint8) if mask is not None else None
-        out, lse = _launch_forward(qkv, bias, masks, scale, heads)
-        ctx.save_for_backward(qkv, bias, masks, out, lse)
-        ctx.scale, ctx.heads = scale, heads
+        logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
+        out, lse = _launch_forward(qkv, bias, masks, scale, heads, logit, logit_max)
+        ctx.save_for_backward(qkv, bias, masks, out, lse, logit)
+        ctx.scale, ctx.heads, ctx.logit_max = scale, heads, logit_max
+        ctx.logit_shape = logit_scale.shape if logit_scale is not None else None
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
         _, bwd, next_pow2, cdiv = _build()
-        qkv, bias, masks, out, lse = ctx.saved_tensors
+        qkv, bias, masks, out, lse, logit = ctx.saved_tensors
         heads = ctx.heads
         B, nW, N, C3 = qkv.shape
         BW = B * nW
@@ -271,37 +311,47 @@ class _WindowAttention(torch.autograd.Function):
         chunks = cdiv(BW, per) if BW else 0
         dqkv = torch.empty_like(qkv)
         parts = torch.empty((heads, chunks, block, block) if need_bias else (1,), dtype=torch.float32, device=qkv.device)
+        logit_parts = torch.zeros((heads, chunks), dtype=torch.float32, device=qkv.device) if logit is not None else None
         if chunks:
-            bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, BW, nW, N, heads, ctx.scale,
-                                 mask_value(), per, D=C3 // 3 // heads, BLOCK_N=block, HAS_MASK=masks is not None,
-                                 PREC=_precision(qkv), NEED_DBIAS=need_bias, UPCAST=_upcast(qkv),
+            bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, logit, logit_parts, BW, nW, N, heads,
+                                 ctx.scale, mask_value(), ctx.logit_max, per, D=C3 // 3 // heads, BLOCK_N=block,
+                                 HAS_MASK=masks is not None, PREC=_precision(qkv), NEED_DBIAS=need_bias,
+                                 UPCAST=_upcast(qkv), COSINE=logit is not None,
                                  num_warps=_BACKWARD_WARPS)  # (five 64x64 float32 tiles live at once)
-        grad_bias = None
+        grad_bias = grad_logit = None
         if need_bias:
             grad_bias = (parts.sum(1)[:, :N, :N] if chunks else parts.new_zeros((heads, N, N))).to(bias.dtype)
-        return dqkv if ctx.needs_input_grad[0] else None, grad_bias, None, None, None
+        if logit is not None and ctx.needs_input_grad[5]:
+            grad_logit = logit_parts.sum(1).view(ctx.logit_shape).to(logit.dtype)  # type: ignore[union-attr]
+        return dqkv if ctx.needs_input_grad[0] else None, grad_bias, None, None, None, grad_logit, None
 
 
-def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float, heads: int) -> Tensor | None:
+def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: float, heads: int,
+                     logit_scale: Tensor | None = None, logit_max: float = 0.0) -> Tensor | None:
     """Attention within windows from the qkv projection's output, in the Triton kernels.
 
     Args:
         qkv: ``(B, nW, N, 3C)``, laid out ``(B, nW, N, 3, heads, d)`` as Swin's qkv projection writes it.
-        bias: ``(heads, N, N)`` additive position bias (float32 as Swin V1 gathers it from its table).
+        bias: ``(heads, N, N)`` additive position bias (Swin V1's float32 table entries; Swin V2's
+            ``16 * sigmoid`` of its Log-CPB MLP).
         mask: boolean ``(nW, N, N)`` shift/padding mask (True = blocked) or ``None``.
-        scale: the factor of ``q @ k^T`` (``d ** -0.5``).
+        scale: the factor of ``q @ k^T`` (``d ** -0.5``; 1 for Swin V2).
         heads: the number of heads.
+        logit_scale: Swin V2's ``(heads, 1, 1)`` logit scale: then the scores are scaled cosines,
+            ``q / |q| . k / |k| * exp(min(logit_scale, logit_max))`` (norms clamped at 1e-12).
+        logit_max: the clamp of ``logit_scale`` (Swin V2: ``log(100)``).
 
     Returns:
         ``(B, nW, N, C)`` in ``qkv``'s dtype, heads side by side in the channels (as the output
-        projection reads them). Differentiable in ``qkv`` and ``bias`` (first order). ``None`` where
+        projection reads them). Differentiable in ``qkv``, ``bias`` and ``logit_scale`` (first
+        order). ``None`` where
         the forward kernel failed to build or launch on this machine: the first failure is said
         once, in a warning, and from then on :func:`triton_window_attention_applies` is ``False``
         (the caller's other path runs).
     """
     global _failed
     try:
-        return _WindowAttention.apply(qkv, bias, mask, scale, heads)
+        return _WindowAttention.apply(qkv, bias, mask, scale, heads, logit_scale, logit_max)
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # noqa: BLE001 (any failure of Triton's: fall back, once, loudly)
