@@ -85,6 +85,21 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def us_per_call(fn: Callable[[], object], repeats: int, warmup: int = 10) -> float:
+    """Microseconds per call of ``fn`` on a GPU: CUDA events around ``repeats`` back-to-back calls
+    after ``warmup`` calls (the kernels' pace when the host keeps ahead)."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return round(start.elapsed_time(end) * 1000 / repeats, 1)
+
+
 def _time_once(fn: Callable[[], object], device: str) -> float:
     if device.startswith("cuda"):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

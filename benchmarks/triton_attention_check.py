@@ -22,7 +22,7 @@ import sys
 from typing import Any, Callable
 
 import torch
-from common import check_device
+from common import check_device, us_per_call
 
 from vtdense.backbones.swin import SwinBlock
 from vtdense.layers import triton_window_attention as twa
@@ -48,19 +48,6 @@ def _block_step(block: SwinBlock, x: torch.Tensor, dtype: torch.dtype | None) ->
         return out
 
     return step
-
-
-def _time(fn: Callable[[], Any], repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return round(start.elapsed_time(end) * 1000 / repeats, 1)
 
 
 def _make(stage: tuple[int, int, int, int], shifted: bool, batch: int, device: str,
@@ -115,14 +102,14 @@ def timings(device: str, batch: int = 8, repeats: int = 50, stages: tuple = STAG
             row: dict = dict(stage=i + 1, shifted=shifted)
             for on in (False, True):
                 with twa.triton_window_attention(on):
-                    row["triton" if on else "sdpa"] = _time(step, repeats)
+                    row["triton" if on else "sdpa"] = us_per_call(step, repeats, warmup=3)
             rows.append(row)
     block, x = _make(stages[0], True, batch, device, v2=True)  # SwinV2-T's first stage, window 8
     step = _block_step(block, x, torch.bfloat16)
     row = dict(stage=1, shifted=True, family="v2")
     for on in (False, True):
         with twa.triton_window_attention(on):
-            row["triton" if on else "sdpa"] = _time(step, repeats)
+            row["triton" if on else "sdpa"] = us_per_call(step, repeats, warmup=3)
     rows.append(row)
     block, x = _make(stages[0], True, batch, device)
     step = _block_step(block, x, torch.bfloat16)
@@ -131,7 +118,7 @@ def timings(device: str, batch: int = 8, repeats: int = 50, stages: tuple = STAG
         with twa.triton_window_attention(True):
             for programs, warps in sweep:
                 twa._BACKWARD_PROGRAMS, twa._BACKWARD_WARPS = programs, warps
-                rows.append(dict(stage=1, shifted=True, programs=programs, warps=warps, triton=_time(step, repeats)))
+                rows.append(dict(stage=1, shifted=True, programs=programs, warps=warps, triton=us_per_call(step, repeats, warmup=3)))
     finally:
         twa._BACKWARD_PROGRAMS, twa._BACKWARD_WARPS = before
     return rows

@@ -17,7 +17,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from common import check_device
+from common import check_device, us_per_call
 
 import vtdense
 from vtdense.layers.fused_norm import layer_norm_bf16, triton_norm
@@ -85,16 +85,7 @@ def timings(device: str, repeats: int = 200,
         }
         row: dict = dict(rows=rows, channels=C)
         for name, fn in forms.items():
-            for _ in range(10):
-                fn()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(repeats):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            row[name] = round(start.elapsed_time(end) * 1000 / repeats, 1)
+            row[name] = us_per_call(fn, repeats)
         out.append(row)
     return out
 

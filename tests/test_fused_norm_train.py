@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from triton_interpreter import ROOT, run_interpreted
+from triton_interpreter import GPU_TIMING_STUB, ROOT, run_interpreted
 
 from vtdense.layers import fused_norm, fused_norm_train
 
@@ -172,14 +172,8 @@ def test_a_backbone_trains_through_it_in_tritons_interpreter() -> None:
 def test_gpu_timing_script_runs_in_the_interpreter() -> None:
     """``benchmarks/triton_norm_check.py``'s per-call timings (GPU only: CUDA events) run every
     form, the training kernels' included, in Triton's interpreter with the events stubbed."""
-    code = textwrap.dedent("""
-        import json, sys, torch
-        sys.path.insert(0, "benchmarks")
-        class Event:
-            def __init__(self, **kwargs): pass
-            def record(self): pass
-            def elapsed_time(self, other): return 1.0
-        torch.cuda.Event, torch.cuda.synchronize = Event, lambda: None
+    code = GPU_TIMING_STUB + textwrap.dedent("""
+        import json
         import triton_norm_check
         print(json.dumps(triton_norm_check.timings("cpu", repeats=1, shapes=((37, 96), (5, 384)))))
     """)

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 import torch
-from triton_interpreter import run_interpreted
+from triton_interpreter import GPU_TIMING_STUB, run_interpreted
 
 from vtdense.layers import triton_window_attention as twa
 
@@ -267,14 +267,8 @@ def test_on_fake_cuda_the_kernels_replace_sdpa_and_the_copies_around_it() -> Non
 def test_the_gpu_check_script_runs_in_tritons_interpreter() -> None:
     """``benchmarks/triton_attention_check.py`` (GPU only: CUDA events) runs its check and its
     timings, the backward's settings swept, in Triton's interpreter at a tiny size, events stubbed."""
-    code = textwrap.dedent("""
-        import json, sys, torch
-        sys.path.insert(0, "benchmarks")
-        class Event:
-            def __init__(self, **kwargs): pass
-            def record(self): pass
-            def elapsed_time(self, other): return 1.0
-        torch.cuda.Event, torch.cuda.synchronize = Event, lambda: None
+    code = GPU_TIMING_STUB + textwrap.dedent("""
+        import json
         import triton_attention_check as t
         stages = ((9, 13, 32, 2),)
         checks = t.check("cpu", batch=1, stages=stages)

@@ -21,3 +21,16 @@ def run_interpreted(code: str, timeout: int = 300) -> Any:
                           timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+#: code that stands in for CUDA events and ``torch.cuda.synchronize`` (every elapsed time 1 ms), for
+#: running a GPU timing script in the interpreter; ``benchmarks`` on the path
+GPU_TIMING_STUB = """
+import sys, torch
+sys.path.insert(0, "benchmarks")
+class Event:
+    def __init__(self, **kwargs): pass
+    def record(self): pass
+    def elapsed_time(self, other): return 1.0
+torch.cuda.Event, torch.cuda.synchronize = Event, lambda: None
+"""

@@ -217,11 +217,17 @@ def _guarded(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, 
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # noqa: BLE001 (any failure of Triton's: fall back, once, loudly)
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-        _failed = f"{type(err).__name__}: {first}"
+        _failed = failure_text(err)
         warnings.warn(f"vtdense: the Triton LayerNorm failed on this machine ({_failed}); PyTorch's "
                       "LayerNorm runs instead from now on (vtdense.layers.fused_norm)", RuntimeWarning, stacklevel=3)
         return None
+
+
+def failure_text(err: BaseException) -> str:
+    """``"TypeName: first line of the message"`` (at most 200 characters of it): how a Triton
+    kernel's failure to build or launch is named in the one warning that says it."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def eager_layer_norm_bf16(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:

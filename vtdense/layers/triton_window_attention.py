@@ -355,8 +355,7 @@ def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: floa
     except torch.cuda.OutOfMemoryError:
         raise
     except Exception as err:  # noqa: BLE001 (any failure of Triton's: fall back, once, loudly)
-        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
-        _failed = f"{type(err).__name__}: {first}"
+        _failed = fused_norm.failure_text(err)
         warnings.warn(f"vtdense: the Triton window attention failed on this machine ({_failed}); Swin's "
                       "training attention takes the SDPA path from now on", RuntimeWarning, stacklevel=2)
         return None
