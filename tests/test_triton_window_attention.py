@@ -1,10 +1,12 @@
-"""``vtdense.layers.triton_window_attention``: Swin V1's training attention in two Triton kernels.
+"""``vtdense.layers.triton_window_attention``: Swin's training attention (V1, and V2's scaled cosine)
+in two Triton kernels.
 
 The kernels run here in Triton's CPU interpreter (a subprocess with ``TRITON_INTERPRET=1``): their
-output and the gradients of q, k, v and the bias match attention computed with PyTorch's ops, in
-float32 to float rounding and in bf16 within its rounding, with and without a shift mask; a Swin
-trained through them gets the default path's outputs and gradients. Both kernels also compile for
-sm_90 (the H100/H200) here. Where they apply is checked in this process."""
+output and the gradients of q, k, v, the bias and V2's logit scale match attention computed in
+float64, in float32 to float rounding and in bf16 within its rounding, with and without a shift
+mask; a Swin V1 or V2 trained through them gets the default path's outputs and gradients. Both
+kernels also compile for sm_90 (the H100/H200) here. Where they apply, a failing kernel's fallback
+and their count on fake CUDA are checked in this process."""
 
 from __future__ import annotations
 
