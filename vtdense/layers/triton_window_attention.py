@@ -232,9 +232,11 @@ def triton_window_attention_applies(x: Tensor, tokens: int, head_width: int, dro
     """Whether :func:`window_attention` may run for the windows ``x`` ``(B, nW, N, C)`` of a block
     in training (see the module's docstring). The caller also checks that its qkv projection's
     output needs a gradient and has one of :data:`DTYPES`."""
+    if not _enabled or tracing():  # (first: graphs being built see nothing else of this check)
+        return False
     interpreted = _interpreted(x)
-    if not _enabled or type(x) is not Tensor or (x.device.type != "cuda" and not interpreted) or tracing():
-        return False  # (tracing first: a size test in a graph being built would guard on the size)
+    if type(x) is not Tensor or (x.device.type != "cuda" and not interpreted):
+        return False
     if not torch.is_grad_enabled() or dropout:
         return False
     if tokens > MAX_WINDOW_TOKENS or head_width not in _HEAD_WIDTHS or _failed is not None:
