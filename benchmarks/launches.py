@@ -378,7 +378,7 @@ class _TritonAttn(torch.nn.Module):
             return torch.is_grad_enabled() and not dropout and tokens <= twa.MAX_WINDOW_TOKENS and width in twa._HEAD_WIDTHS
 
         def launch(qkv: torch.Tensor, bias: torch.Tensor, masks: Any, scale: float, heads: int, *cosine: Any) -> Any:
-            return _attention_kernel(qkv, heads, max(16, 1 << (qkv.shape[2] - 1).bit_length()))
+            return _attention_kernel(qkv, heads, twa._block(qkv.shape[2]))
 
         before = twa.triton_window_attention_applies, twa._launch_forward
         twa.triton_window_attention_applies, twa._launch_forward = applies, launch

@@ -191,7 +191,7 @@ def test_the_kernels_compile_for_hopper(kernel: str, dtype: str, masked: bool, c
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fwd, bwd, _, _ = twa._build()
+    fwd, bwd, _ = twa._build()
     t = f"*{dtype}"
     mask = "*u8" if masked else "constexpr"
     common = {"QKV": t, "BIAS": "*fp32" if not cosine else t, "MASK": mask, "OUT": t}

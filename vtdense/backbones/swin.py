@@ -234,11 +234,9 @@ class WindowAttention(nn.Module):
         else:
             qkv = apply_linear(self.qkv, x)
         if triton_attn and qkv.requires_grad and qkv.dtype in triton_attention.DTYPES:
-            if self.cosine:
-                out = triton_attention.window_attention(qkv, self.position_bias(window), mask, 1.0, h,
-                                                        self.logit_scale, _logit_scale_max())
-            else:
-                out = triton_attention.window_attention(qkv, self.position_bias(window), mask, (C // h) ** -0.5, h)
+            scale, logit = (1.0, self.logit_scale) if self.cosine else ((C // h) ** -0.5, None)
+            out = triton_attention.window_attention(qkv, self.position_bias(window), mask, scale, h, logit,
+                                                    _logit_scale_max())
             if out is not None:  # (None: the kernel failed here, and said so once)
                 return self.proj_drop(apply_linear(self.proj, out))
         qkv = qkv.view(B, nW, N, 3, h, C // h)

@@ -74,7 +74,7 @@ _failed: str | None = None
 
 
 def _build() -> Any:
-    """``(forward, backward)`` Triton kernels, defined on first use."""
+    """``(forward, backward, cdiv)``: the Triton kernels, defined on first use, and Triton's ``cdiv``."""
     global _kernels
     if _kernels is not None:
         return _kernels
@@ -208,7 +208,7 @@ def _build() -> Any:
             g = tl.where(ls <= LOGIT_MAX, tl.sum(dsc, 0) * sc, 0.0)
             tl.store(DLOGIT + hh * tl.num_programs(1) + chunk, g)
 
-    _kernels = (_forward, _backward, triton.next_power_of_2, triton.cdiv)
+    _kernels = (_forward, _backward, triton.cdiv)
     return _kernels
 
 
@@ -261,18 +261,19 @@ def _precision(qkv: Tensor) -> str:
     return "ieee" if qkv.dtype == torch.float32 or _upcast(qkv) else "tf32"
 
 
-def _block(tokens: int, next_pow2: Any) -> int:
-    return max(16, next_pow2(tokens))
+def _block(tokens: int) -> int:
+    """The kernels' tile side for windows of ``tokens``: the next power of two, at least 16 (``tl.dot``'s least)."""
+    return max(16, 1 << (tokens - 1).bit_length())
 
 
 def _launch_forward(qkv: Tensor, bias: Tensor, masks: Tensor | None, scale: float, heads: int,
                     logit: Tensor | None = None, logit_max: float = 0.0) -> tuple[Tensor, Tensor]:
     """The forward kernel: ``(out (B, nW, N, C), lse (B * nW, heads, block) float32)`` (see
     :func:`window_attention`; ``masks`` the mask's bytes, ``logit`` the ``(heads,)`` logit scale)."""
-    fwd, _, next_pow2, _ = _build()
+    fwd = _build()[0]
     B, nW, N, C3 = qkv.shape
     C = C3 // 3
-    block = _block(N, next_pow2)
+    block = _block(N)
     out = qkv.new_empty((B, nW, N, C))
     lse = torch.empty((B * nW, heads, block), dtype=torch.float32, device=qkv.device)
     if out.numel():
@@ -301,12 +302,12 @@ class _WindowAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        _, bwd, next_pow2, cdiv = _build()
+        _, bwd, cdiv = _build()
         qkv, bias, masks, out, lse, logit = ctx.saved_tensors
         heads = ctx.heads
         B, nW, N, C3 = qkv.shape
         BW = B * nW
-        block = _block(N, next_pow2)
+        block = _block(N)
         grad_out = grad_out.to(out.dtype).contiguous()
         need_bias = ctx.needs_input_grad[1]
         per = max(1, cdiv(BW * heads, _BACKWARD_PROGRAMS))
