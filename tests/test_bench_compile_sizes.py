@@ -32,3 +32,20 @@ def test_bad_options_name_the_option(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         compile_sizes.main(["--repeats", "0"])
     assert "--repeats 0" in capsys.readouterr().err
+
+
+def test_first_call_script_reports_both_ways_of_compiling(capsys: pytest.CaptureFixture[str]) -> None:
+    """``compile_first.py``: each way of compiling in its own process, its trace attempts and its
+    difference to eager (Dynamo's own capture, backend "eager", keeps it within seconds; the
+    restart it is written to show needs a lowering backend: ``test_mvitv2_rel_pos_fold``)."""
+    import compile_first
+
+    report = compile_first.main(["--tiny", "--families", "swin_t", "--backends", "eager", "--modes", "infer", "--size", "64x64"])
+    (row,) = report["rows"]
+    for how in compile_first.HOWS:
+        assert "error" not in row[how], row
+        assert row[how]["attempts"] == 1 and row[how]["seconds"] > 0 and row[how]["max abs diff"] < 1e-5
+    assert "| swin_t | eager | infer |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        compile_first.main(["--size", "64"])
+    assert "--size '64'" in capsys.readouterr().err

@@ -116,8 +116,10 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
         )
     kwargs.setdefault("dynamic", True)
     part.compile(backend=name, **kwargs)
+    config = dict(specialize_float=True)
     if name == "eager":
-        part._compiled_call_impl = _without_ddp_graph_split(part._compiled_call_impl)
+        config["optimize_ddp"] = False
+    part._compiled_call_impl = _traced_with(part._compiled_call_impl, **config)
     part._vtdense_compiled = name  # what is_compiled reports
     return part
 
@@ -138,20 +140,27 @@ def _random_in_checkpointed_blocks(part: nn.Module) -> bool:
     return checkpointed and any(isinstance(m, (DropPath, nn.Dropout)) and m.p > 0 for m in modules)
 
 
-def _without_ddp_graph_split(compiled: Callable[..., Any]) -> Callable[..., Any]:
-    """``compiled``, run with Dynamo's DDP graph splitting off.
+def _traced_with(compiled: Callable[..., Any], **config: Any) -> Callable[..., Any]:
+    """``compiled``, traced under Dynamo's ``config`` (scoped to this module's calls; about 20 us a call).
 
-    Under DDP, Dynamo splits a graph at the gradient-bucket boundaries so that a compiled backward
-    can all-reduce bucket by bucket. With the ``eager`` backend the backward is plain autograd,
-    whose per-parameter hooks already let DDP overlap its all-reduce, so the split buys nothing;
-    and its shape propagation, which runs the pieces on fake tensors without the Python dispatcher,
-    fails on ``F.interpolate`` with symbolic sizes (the FPN's top-down path): "SymIntArrayRef
-    expected to contain only concrete integers". Scoped to this module's calls.
+    - ``specialize_float=True``: with ``dynamic=True`` Dynamo makes every Python float it reads a
+      graph input (a LayerNorm's ``eps``, an attention scale). The ops that take such a float as a
+      number (``layer_norm``'s ``eps``) specialise it while the graph is lowered, and torch then
+      restarts the whole trace with those floats constant: every first compile traced the backbone
+      twice (``benchmarks/RESULTS.md``, "Compile: floats"). They are constants of the model, so they
+      are traced as constants from the start.
+    - ``optimize_ddp=False`` (the ``eager`` backend only): under DDP, Dynamo splits a graph at the
+      gradient-bucket boundaries so that a compiled backward can all-reduce bucket by bucket. With
+      the ``eager`` backend the backward is plain autograd, whose per-parameter hooks already let
+      DDP overlap its all-reduce, so the split buys nothing; and its shape propagation, which runs
+      the pieces on fake tensors without the Python dispatcher, fails on ``F.interpolate`` with
+      symbolic sizes (the FPN's top-down path): "SymIntArrayRef expected to contain only concrete
+      integers".
     """
 
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(optimize_ddp=False):
+        with torch._dynamo.config.patch(**config):
             return compiled(*args, **kwargs)
 
     return call

@@ -1,0 +1,167 @@
+"""Seconds to a backbone's first compiled call, ``torch.compile(dynamic=True)`` beside ``compile_backbone``.
+
+With ``dynamic=True`` Dynamo makes each Python float the model reads a graph input (every
+LayerNorm's ``eps``). ``layer_norm`` takes ``eps`` as a number, so lowering the graph specialises
+it, and torch then restarts the whole trace with those floats constant: the backbone is traced
+twice before its first call returns. :func:`vtdense.models.compile.compile_backbone` traces with
+the floats constant from the start. This script times both on the same backbone, each in a fresh
+process with an empty Inductor cache (so neither reuses the other's kernels), and reports Dynamo's
+trace attempts (2 = one restart) and the largest difference of the outputs (and, in training, of
+the input's gradient) to eager.
+
+    python benchmarks/compile_first.py                       # CPU, aot_eager and inductor, inference and training
+    python benchmarks/compile_first.py --families swin_t --backends aot_eager --modes train
+    python benchmarks/compile_first.py --device cuda --families swin_t --backends inductor --modes train
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import environment, error_line  # noqa: E402
+
+__all__ = ["first_call", "measure", "markdown", "main"]
+
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "swin_t": ("swin_tiny", {}),
+    "swinv2_t": ("swinv2_tiny", {"window_size": 8}),
+    "mvitv2_t windows": ("mvitv2_tiny", {"window_size": 56}),
+}
+HOWS = ("torch.compile", "compile_backbone")
+TINY = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))
+
+
+def first_call(family: str, how: str, backend: str, mode: str, size: tuple[int, int], tiny: bool = False,
+               device: str = "cpu") -> dict[str, Any]:
+    """In this process: build ``family``, compile it ``how``, and time its first call at ``size``
+    (forward, and in ``mode="train"`` the backward of the maps' sum; on CUDA under bf16 autocast).
+    Returns the seconds, Dynamo's trace attempts and the largest difference to eager."""
+    import torch._dynamo.utils as dynamo_utils
+
+    import vtdense
+    from vtdense.models.compile import compile_backbone
+
+    name, overrides = FAMILIES[family]
+    kwargs = dict(overrides, drop_path_rate=0.0, out_norm=False, **(TINY if tiny else {}))
+    torch.manual_seed(0)
+    model = vtdense.create_backbone(name, **kwargs).train(mode == "train").to(device)
+    eager = vtdense.create_backbone(name, **kwargs).train(mode == "train").to(device)
+    eager.load_state_dict(model.state_dict())
+    x = torch.randn(1, 3, *size, generator=torch.Generator().manual_seed(1)).to(device)
+
+    def run(m: torch.nn.Module) -> list[torch.Tensor]:
+        xi = x.clone().requires_grad_(mode == "train")
+        amp = torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
+        with torch.set_grad_enabled(mode == "train"), amp:
+            maps = [f.float() for f in m(xi).values()]
+            if mode == "train":
+                sum(f.sum() for f in maps).backward()
+                return [f.detach() for f in maps] + [xi.grad]
+        return maps
+
+    dynamo_utils.compilation_time_metrics.clear()
+    start = time.perf_counter()
+    if how == "torch.compile":
+        compiled = torch.compile(model, dynamic=True, backend=backend)
+    else:
+        compiled = compile_backbone(model, backend)
+    got = run(compiled)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    attempts = sum(1 for k in dynamo_utils.compilation_time_metrics if k.startswith("compile_attempt_"))
+    want = run(eager)
+    diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
+    return {"seconds": round(seconds, 1), "attempts": attempts, "max abs diff": diff}
+
+
+def measure(family: str, how: str, backend: str, mode: str, size: tuple[int, int], tiny: bool = False,
+            device: str = "cpu") -> dict[str, Any]:
+    """:func:`first_call` in a fresh Python process with an empty Inductor cache directory."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        code = (f"import sys, json; sys.path.insert(0, {str(HERE)!r}); from compile_first import first_call; "
+                f"print('RESULT', json.dumps(first_call({family!r}, {how!r}, {backend!r}, {mode!r}, {tuple(size)!r}, {tiny!r}, {device!r})))")
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"error": tail[:200]}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    env = report["environment"]
+    size = "x".join(map(str, report["size"]))
+    lines = [f"### First compiled call: `python benchmarks/compile_first.py` (batch 1 at {size})", "",
+             f"Measured {env.get('date')} on {env.get('gpu', env.get('cpu', report['device']))}, {env.get('threads', '')} CPU threads; torch "
+             f"{env.get('torch')}, vtdense {env.get('vtdense')}. Each cell ran in a fresh process with an empty Inductor cache.", "",
+             "| backbone | backend | mode | `torch.compile(dynamic=True)` s (attempts) | `compile_backbone` s (attempts) | ratio | max abs diff to eager |",
+             "|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        a, b = row["torch.compile"], row["compile_backbone"]
+        if "error" in a or "error" in b:
+            lines.append(f"| {row['family']} | {row['backend']} | {row['mode']} | {a.get('error', a.get('seconds'))} | "
+                         f"{b.get('error', b.get('seconds'))} | | |")
+            continue
+        lines.append(f"| {row['family']} | {row['backend']} | {row['mode']} | {a['seconds']} ({a['attempts']}) | "
+                     f"{b['seconds']} ({b['attempts']}) | {a['seconds'] / b['seconds']:.2f}x | "
+                     f"{a['max abs diff']:.1e} / {b['max abs diff']:.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--families", nargs="+", default=["swin_t", "mvitv2_t windows"], choices=list(FAMILIES), metavar="FAMILY",
+                   help=f"among {', '.join(FAMILIES)}")
+    p.add_argument("--backends", nargs="+", default=["aot_eager", "inductor"])
+    p.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train"])
+    p.add_argument("--size", default="256x384", help="HxW of the one image")
+    p.add_argument("--tiny", action="store_true", help="a 16-channel, one-block-per-stage backbone (what the test runs)")
+    p.add_argument("--json", default="", help="also write the report here")
+    args = p.parse_args(argv)
+    try:
+        size = tuple(int(v) for v in args.size.lower().split("x"))
+        if len(size) != 2 or min(size) < 32:
+            raise ValueError
+    except ValueError:
+        p.error(f"--size {args.size!r}: expected HxW, each at least 32, such as 256x384")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU here")
+    report: dict[str, Any] = {"device": args.device, "size": list(size), "environment": environment(args.device), "rows": []}
+    report["environment"]["threads"] = torch.get_num_threads()
+    for family in args.families:
+        for backend in args.backends:
+            for mode in args.modes:
+                row: dict[str, Any] = {"family": family, "backend": backend, "mode": mode}
+                for how in HOWS:
+                    try:
+                        row[how] = measure(family, how, backend, mode, size, args.tiny, args.device)
+                    except Exception as err:  # one cell's failure is reported; the others still run
+                        row[how] = {"error": error_line(err, 200)}
+                print(json.dumps(row), flush=True)
+                report["rows"].append(row)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
