@@ -128,12 +128,15 @@ def check_paths(name: str, tiny: bool, device: str) -> dict[str, Any]:
 def check_compile(name: str, tiny: bool, device: str, backend: str) -> dict[str, Any]:
     """``torch.compile(model, dynamic=True, fullgraph=True)`` over two sizes, then five more: seconds
     per call, Dynamo's counts after two sizes and at the end (one graph: a break is an error), max abs
-    difference to eager."""
+    difference to eager, and Dynamo's trace attempts of the frame (2: the trace restarted once the floats
+    it had made graph inputs were specialised; ``compile_backbone`` traces once, see
+    ``benchmarks/compile_first.py``)."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     torch._dynamo.reset()
     counters.clear()
+    compilation_time_metrics.clear()
     torch.manual_seed(0)
     model = _model(name, tiny, device).eval()
     compiled = torch.compile(model, dynamic=True, fullgraph=True, backend=backend)
@@ -143,7 +146,8 @@ def check_compile(name: str, tiny: bool, device: str, backend: str) -> dict[str,
         calls = compiled_first_calls(compiled, model, xs, device, mark=len(first))
     return {"backend": backend, "sizes": [list(s) for s in first + more], "seconds per call": calls["seconds"],
             "graphs/frames after two sizes": list(calls["before mark"]), "graphs/frames at the end": list(calls["end"]),
-            "recompiled": calls["recompiled"], "max abs diff to eager": calls["diff"]}
+            "recompiled": calls["recompiled"], "max abs diff to eager": calls["diff"],
+            "trace attempts": sum(1 for k in compilation_time_metrics if k.startswith("compile_attempt_"))}
 
 
 def check_cuda_graphs(name: str, tiny: bool, device: str) -> dict[str, Any]:
