@@ -34,18 +34,18 @@ def test_bad_options_name_the_option(capsys: pytest.CaptureFixture[str]) -> None
     assert "--repeats 0" in capsys.readouterr().err
 
 
-def test_first_call_script_reports_both_ways_of_compiling(capsys: pytest.CaptureFixture[str]) -> None:
-    """``compile_first.py``: each way of compiling in its own process, its trace attempts and its
-    difference to eager (Dynamo's own capture, backend "eager", keeps it within seconds; the
-    restart it is written to show needs a lowering backend: ``test_mvitv2_rel_pos_fold``)."""
+def test_first_call_script_times_a_way_of_compiling_in_a_fresh_process(capsys: pytest.CaptureFixture[str]) -> None:
+    """``compile_first.py``: ``compile_backbone`` timed in a fresh process, its trace attempts and its
+    difference to eager (Dynamo's own capture, backend "eager", keeps it within seconds; the restart
+    the script is written to show needs a lowering backend: ``test_mvitv2_rel_pos_fold``)."""
     import compile_first
 
-    report = compile_first.main(["--tiny", "--families", "swin_t", "--backends", "eager", "--modes", "infer", "--size", "64x64"])
+    report = compile_first.main(["--tiny", "--families", "swin_t", "--backends", "eager", "--modes", "infer",
+                                 "--size", "64x64", "--hows", "compile_backbone"])
     (row,) = report["rows"]
-    for how in compile_first.HOWS:
-        assert "error" not in row[how], row
-        assert row[how]["attempts"] == 1 and row[how]["seconds"] > 0 and row[how]["max abs diff"] < 1e-5
-    assert "| swin_t | eager | infer |" in capsys.readouterr().out
+    cell = row["compile_backbone"]
+    assert cell["attempts"] == 1 and cell["seconds"] > 0 and cell["max abs diff"] < 1e-5, row
+    assert f"| swin_t | eager | infer | not run | {cell['seconds']} |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         compile_first.main(["--size", "64"])
     assert "--size '64'" in capsys.readouterr().err
