@@ -70,6 +70,7 @@ def main() -> None:
     p.add_argument("--precision", default="32-true")
     p.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"], help="with --devices > 1")
     p.add_argument("--fit_steps", type=int, default=0, help="optimiser steps before validating (0: validate only)")
+    p.add_argument("--no_validate", action="store_true", help="after fitting, report the weights only (no validation run)")
     p.add_argument("--save_weights", help="write the task's state dict here after fitting")
     p.add_argument("--load_weights", help="load the task's state dict from here before validating")
     p.add_argument("--compile_backbone", default=None, help="detection: DetectionTask's compile_backbone backend")
@@ -105,7 +106,7 @@ def main() -> None:
         trainer.limit_val_batches = 1.0
         if a.save_weights and trainer.is_global_zero:
             torch.save(model.state_dict(), a.save_weights)
-    results = trainer.validate(model, datamodule=dm, verbose=False)
+    results = [{}] if a.no_validate else trainer.validate(model, datamodule=dm, verbose=False)
     # every rank: gathering an FSDP shard (DTensor) into the full parameter is a collective
     full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
     checksum = sum(float(p.detach().double().sum()) for p in full)
