@@ -117,7 +117,7 @@ def test_compiled_training_step_keeps_the_bias_and_matches_eager() -> None:
     training step at a dynamic size (``compile_backbone``: ``dynamic=True``) gives eager's outputs
     and gradients. Dynamo traces the backbone once: with the model's floats (norms' ``eps``) made
     graph inputs, as ``torch.compile(dynamic=True)`` alone does, lowering the graph specialised
-    them and Dynamo traced everything a second time (85 s for this test, 50 s now)."""
+    them and Dynamo traced everything a second time (85 s for this test alone, 46 s now)."""
     import torch._dynamo.utils as dynamo_utils
 
     from vtdense.models.compile import compile_backbone
