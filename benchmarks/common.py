@@ -16,6 +16,7 @@ Every benchmark script imports from here (one home for the helpers):
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import gc
 import multiprocessing as mp
@@ -40,6 +41,8 @@ __all__ = [
     "cuda_peak",
     "environment",
     "error_line",
+    "hw_size",
+    "trace_attempts",
 ]
 
 
@@ -63,6 +66,30 @@ def error_line(err: BaseException, width: int = 120) -> str:
     """``Type: first line of the message`` for a report (some exceptions have an empty message)."""
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0][:width]}" if lines else type(err).__name__
+
+
+def hw_size(option: str) -> Callable[[str], tuple[int, int]]:
+    """An argparse ``type`` for ``option``'s ``HxW`` values: ``"512x768"`` -> ``(512, 768)``; anything
+    else, or a side under 32 pixels, is an error naming the option and the value."""
+
+    def parse(text: str) -> tuple[int, int]:
+        try:
+            h, w = (int(v) for v in text.lower().split("x"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{option} {text!r}: expected HxW, e.g. 512x768") from None
+        if h < 32 or w < 32:
+            raise argparse.ArgumentTypeError(f"{option} {text!r}: each side must be at least 32 pixels")
+        return h, w
+
+    return parse
+
+
+def trace_attempts() -> int:
+    """Dynamo's traces of a frame since ``torch._dynamo.utils.compilation_time_metrics`` was last
+    cleared: 1, or 2 where a trace restarted (floats made graph inputs, then specialised)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return sum(1 for k in compilation_time_metrics if k.startswith("compile_attempt_"))
 
 
 def check_device(argv: list[str] | None, doc: str | None) -> str | None:

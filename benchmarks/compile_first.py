@@ -32,7 +32,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import environment, error_line  # noqa: E402
+from common import environment, error_line, hw_size, trace_attempts  # noqa: E402
 
 __all__ = ["first_call", "measure", "markdown", "main"]
 
@@ -83,7 +83,7 @@ def first_call(family: str, how: str, backend: str, mode: str, size: tuple[int, 
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    attempts = sum(1 for k in dynamo_utils.compilation_time_metrics if k.startswith("compile_attempt_"))
+    attempts = trace_attempts()
     want = run(eager)
     diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
     return {"seconds": round(seconds, 1), "attempts": attempts, "max abs diff": diff}
@@ -132,16 +132,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--backends", nargs="+", default=["aot_eager", "inductor"])
     p.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train"])
     p.add_argument("--hows", nargs="+", default=list(HOWS), choices=HOWS, help="ways of compiling to time (default: both)")
-    p.add_argument("--size", default="256x384", help="HxW of the one image")
+    p.add_argument("--size", type=hw_size("--size"), default=(256, 384), help="HxW of the one image (default 256x384)")
     p.add_argument("--tiny", action="store_true", help="a 16-channel, one-block-per-stage backbone (what the test runs)")
     p.add_argument("--json", default="", help="also write the report here")
     args = p.parse_args(argv)
-    try:
-        size = tuple(int(v) for v in args.size.lower().split("x"))
-        if len(size) != 2 or min(size) < 32:
-            raise ValueError
-    except ValueError:
-        p.error(f"--size {args.size!r}: expected HxW, each at least 32, such as 256x384")
+    size = args.size
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no GPU here")
     report: dict[str, Any] = {"device": args.device, "size": list(size), "environment": environment(args.device), "rows": []}

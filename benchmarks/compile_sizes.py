@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import torch
 
-from common import compiled_first_calls, environment, error_line, interleaved_times, median
+from common import compiled_first_calls, environment, error_line, hw_size, interleaved_times, median
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "swin_t": ("swin_tiny", {}),
@@ -36,17 +36,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mvitv2_t global": ("mvitv2_tiny", {}),
 }
 DEFAULT_SIZES = ("512x768", "640x800", "480x736", "576x864")
-
-
-def parse_size(text: str) -> tuple[int, int]:
-    """``"512x768"`` -> ``(512, 768)``; anything else is an error naming the value."""
-    try:
-        h, w = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--sizes {text!r}: expected HxW, e.g. 512x768") from None
-    if h < 32 or w < 32:
-        raise argparse.ArgumentTypeError(f"--sizes {text!r}: each side must be at least 32 pixels")
-    return h, w
 
 
 def _autocast(device: str) -> contextlib.AbstractContextManager:
@@ -107,6 +96,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), metavar="FAMILY",
                    help=f"among {', '.join(FAMILIES)}")
+    parse_size = hw_size("--sizes")
     p.add_argument("--sizes", nargs="+", type=parse_size, default=[parse_size(s) for s in DEFAULT_SIZES])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="inductor")

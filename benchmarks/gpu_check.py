@@ -40,7 +40,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from common import compiled_first_calls, environment, error_line, randomize_  # noqa: E402
+from common import compiled_first_calls, environment, error_line, randomize_, trace_attempts  # noqa: E402
 
 #: name -> (vtdense backbone, overrides); the tiny overrides keep a shifted, padded stage
 FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -147,7 +147,7 @@ def check_compile(name: str, tiny: bool, device: str, backend: str) -> dict[str,
     return {"backend": backend, "sizes": [list(s) for s in first + more], "seconds per call": calls["seconds"],
             "graphs/frames after two sizes": list(calls["before mark"]), "graphs/frames at the end": list(calls["end"]),
             "recompiled": calls["recompiled"], "max abs diff to eager": calls["diff"],
-            "trace attempts": sum(1 for k in compilation_time_metrics if k.startswith("compile_attempt_"))}
+            "trace attempts": trace_attempts()}
 
 
 def check_cuda_graphs(name: str, tiny: bool, device: str) -> dict[str, Any]:

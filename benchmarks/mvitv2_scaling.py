@@ -36,6 +36,8 @@ from typing import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from common import hw_size
+
 MODELS = ("vtdense hybrid", "vtdense global", "timm global")
 DEFAULT_SIZES = ("512x768", "500x740", "724x1086", "1024x1536")
 
@@ -91,14 +93,10 @@ def worker(model: str, size: tuple[int, int], repeats: int, device: str) -> dict
     return {"ms": 1e3 * times[len(times) // 2], "peak_mb": peak / 2**20}
 
 
-def parse_size(s: str) -> tuple[int, int]:
-    h, w = s.lower().split("x")
-    return int(h), int(w)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), help="HxW sizes")
+    parse_size = hw_size("--sizes")
+    p.add_argument("--sizes", nargs="+", type=parse_size, default=[parse_size(s) for s in DEFAULT_SIZES], help="HxW sizes")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
@@ -112,7 +110,7 @@ def main() -> None:
         print(json.dumps(worker(model, (int(h), int(w)), int(repeats), args.device)))
         return
 
-    sizes = [parse_size(s) for s in args.sizes]
+    sizes = args.sizes
     print(f"torch {torch.__version__}, device {args.device}, threads {torch.get_num_threads()}, repeats {args.repeats}")
     header = f"{'size':>10} {'pix x':>6} | " + " | ".join(f"{m:^34}" for m in MODELS)
     sub = f"{'':>10} {'':>6} | " + " | ".join(f"{'GFLOPs':>8} {'x':>5} {'ms':>8} {'x':>5} {'MB':>5}" for _ in MODELS)
