@@ -67,13 +67,21 @@ def test_dynamic_compile_keeps_the_window_a_constant(name: str) -> None:
     """With symbolic map sizes, the window of a map larger than it stays a constant in the graph: the
     mask and index ops take symbolic ``H, W`` but literal window sizes, so the kernels built on the
     ``(N, N)`` terms have static shapes (a ``min`` made them symbolic, and Inductor then generated scalar
-    loops with an integer division per element: 108 of 400 ms of a compiled Swin-T at 512x768)."""
+    loops with an integer division per element: 108 of 400 ms of a compiled Swin-T at 512x768).
+
+    And a padded size is one expression, ``ceil(H / w) * w`` (the window ops' fake sizes), with no
+    ``Mod``: MViTv2's padding written as ``H + (-H % w)`` gave 24 of its graph's tensors a second form of
+    the same size, which every later view had to prove equal (its Dynamo trace took 1.6-2x longer:
+    ``benchmarks/RESULTS.md``, "Compile: one form for a padded size")."""
     calls: list[tuple] = []
+    shapes: list[str] = []
 
     def record(gm, example_inputs):  # noqa: ANN001, ANN202
         for node in gm.graph.nodes:
             if node.op == "call_function" and str(node.target).startswith("vtdense.window_"):
                 calls.append(node.args)
+            if isinstance(node.meta.get("example_value"), torch.Tensor):
+                shapes.append(str(node.meta["example_value"].shape))
         return gm.forward
 
     torch._dynamo.reset()
@@ -89,6 +97,8 @@ def test_dynamic_compile_keeps_the_window_a_constant(name: str) -> None:
         assert all(type(n) is int for n in window_and_shift), window_and_shift
     if name.startswith("swin"):
         assert {tuple(args[2:4]) for args in ops} == {(4, 4)}
+    assert len(shapes) > 100 and any("s" in s for s in shapes), shapes[:5]  # symbolic shapes were recorded
+    assert not [s for s in shapes if "Mod(" in s]
 
 
 def _assert_compiled_training_is_one_graph_like_eager(name: str, sizes: list, **overrides: object) -> None:

@@ -24,6 +24,7 @@ __all__ = [
     "mask_value",
     "to_2tuple",
     "effective_window",
+    "padded_length",
     "pad_to_window",
     "window_partition",
     "window_reverse",
@@ -78,6 +79,17 @@ def effective_window(
     return win, sh  # type: ignore[return-value]
 
 
+def padded_length(n: int, window: int) -> int:
+    """``n`` rounded up to a multiple of ``window``.
+
+    Written as ``ceil(n / window) * window``, the form the window ops' fake sizes take, and not as
+    ``n + (-n % window)``: under ``torch.compile`` with a symbolic ``n``, the two are different
+    expressions that the shape checks of every later view must prove equal, which cost a quarter of
+    the trace of a windowed MViTv2 (``n // window`` of this form is simply ``ceil(n / window)``).
+    """
+    return -(-n // window) * window
+
+
 def pad_to_window(x: Tensor, window: tuple[int, int]) -> Tensor:
     """Zero-pad ``(B, H, W, C)`` at the bottom/right up to multiples of ``window``.
 
@@ -85,8 +97,8 @@ def pad_to_window(x: Tensor, window: tuple[int, int]) -> Tensor:
     not a guard that recompiles the graph at the next size.
     """
     H, W = x.shape[1:3]
-    pad_h = -H % window[0]
-    pad_w = -W % window[1]
+    pad_h = padded_length(H, window[0]) - H
+    pad_w = padded_length(W, window[1]) - W
     if torch.compiler.is_compiling() or pad_h or pad_w:
         x = F.pad(x, (0, 0, 0, pad_w, 0, pad_h))
     return x
@@ -129,7 +141,7 @@ def _token_index(H: int, W: int, window: tuple[int, int], shift: tuple[int, int]
     # Pure tensor arithmetic on the sizes, so torch.compile can trace it with symbolic H, W.
     wh, ww = window
     sh, sw = shift
-    Hp, Wp = H + (-H % wh), W + (-W % ww)
+    Hp, Wp = padded_length(H, wh), padded_length(W, ww)
     # The rolled, padded grid holds at (r, c) the token ((r + sh) % Hp, (c + sw) % Wp).
     r = (torch.arange(Hp, device=device) + sh) % Hp
     c = (torch.arange(Wp, device=device) + sw) % Wp
@@ -149,7 +161,7 @@ def _token_index(H: int, W: int, window: tuple[int, int], shift: tuple[int, int]
 
 def _window_mask(H: int, W: int, window: tuple[int, int], shift: tuple[int, int], device: torch.device) -> Tensor:
     wh, ww = window
-    Hp, Wp = H + (-H % wh), W + (-W % ww)
+    Hp, Wp = padded_length(H, wh), padded_length(W, ww)
     rh = _region_labels(Hp, H, wh, shift[0], device)
     rw = _region_labels(Wp, W, ww, shift[1], device)
     region = rh[:, None] * 3 + rw[None, :]
@@ -243,7 +255,7 @@ def _index_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.
 
 @_index_op.register_fake
 def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
-    padded = (-(-H // wh)) * wh * (-(-W // ww)) * ww
+    padded = padded_length(H, wh) * padded_length(W, ww)
     return (torch.empty(padded, dtype=torch.long, device=device),
             torch.empty(H * W, dtype=torch.long, device=device))
 
