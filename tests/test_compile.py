@@ -1,6 +1,6 @@
 """``torch.compile(backbone, dynamic=True, fullgraph=True)`` at changing input sizes: one graph with
-no break; after the first two sizes, five more detection-like sizes compile nothing new, and compiled
-outputs equal eager, for Swin V1, Swin V2 and MViTv2 (global and windowed attention).
+no break; after the first two sizes, five more sizes (two with maps that do not tile) compile nothing
+new, and compiled outputs equal eager, for Swin V1, Swin V2 and MViTv2 (global and windowed attention).
 
 The size-dependent Python (window masks and roll/partition indices, cached per size) runs inside
 custom ops that take the symbolic sizes, so Dynamo neither specialises on the sizes nor traces into
@@ -23,7 +23,10 @@ from probe import probe_loss
 # the window and stage maps both tile exactly and need padding across these sizes.
 TINY = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
 FIRST = [(160, 192), (192, 256)]
-MORE = [(224, 160), (256, 320), (288, 224), (160, 288), (320, 192)]
+# 200x232 gives odd maps from stage 2 on (Swin's patch merging pads them) and 163x171 is no multiple
+# of the patch: neither may be a new graph (a parity guard in patch merging, a divisibility guard in
+# the patch embedding and a contiguity guard on MViTv2's window crop each recompiled there).
+MORE = [(224, 160), (200, 232), (288, 224), (163, 171), (320, 192)]
 
 
 def _graphs() -> tuple[int, int]:

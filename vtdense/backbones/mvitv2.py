@@ -273,7 +273,11 @@ class MultiScaleAttention(nn.Module):
         out = out.transpose(2, 3).reshape(B, nW, -1, h * d)  # a view when the kernel wrote (.., N, h, d)
         if self.window:
             out = window_reverse(out, q_win, Hqp, Wqp)
-            if torch.compiler.is_compiling() or (Hqp, Wqp) != (Hq, Wq):  # no size guard under compile
+            if torch.compiler.is_compiling():
+                # Cropped always, into a dense tensor: whether a crop by 0 is contiguous would be a
+                # guard on the map tiling exactly, read by the next op (a recompile at odd sizes).
+                out = out[:, :Hq, :Wq].clone(memory_format=torch.contiguous_format)
+            elif (Hqp, Wqp) != (Hq, Wq):
                 out = out[:, :Hq, :Wq]
         else:
             out = out.view(B, Hq, Wq, h * d)
