@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import json
 import multiprocessing as mp
 import os
 import platform
@@ -90,6 +91,31 @@ def trace_attempts() -> int:
     from torch._dynamo.utils import compilation_time_metrics
 
     return sum(1 for k in compilation_time_metrics if k.startswith("compile_attempt_"))
+
+
+def compile_script_options(p: argparse.ArgumentParser, families: list[str], default: list[str]) -> None:
+    """The ``--device`` (``cpu`` or ``cuda``) and ``--families`` options of the compile scripts
+    (``compile_sizes.py``, ``compile_first.py``)."""
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--families", nargs="+", default=default, choices=families, metavar="FAMILY",
+                   help=f"among {', '.join(families)}")
+
+
+def parsed_with_device(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``p.parse_args(argv)``; an error naming ``--device cuda`` where there is no GPU."""
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no GPU here")
+    return args
+
+
+def write_report(report: dict, json_path: str, markdown: str) -> dict:
+    """Write ``report`` as JSON to ``json_path`` (if given), print ``markdown``, return ``report``."""
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
+    print(markdown)
+    return report
 
 
 def check_device(argv: list[str] | None, doc: str | None) -> str | None:

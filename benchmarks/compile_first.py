@@ -32,7 +32,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import environment, error_line, hw_size, trace_attempts  # noqa: E402
+from common import (  # noqa: E402
+    compile_script_options, environment, error_line, hw_size, parsed_with_device, trace_attempts, write_report,
+)
 
 __all__ = ["first_call", "measure", "markdown", "main"]
 
@@ -126,19 +128,15 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--families", nargs="+", default=["swin_t", "mvitv2_t windows"], choices=list(FAMILIES), metavar="FAMILY",
-                   help=f"among {', '.join(FAMILIES)}")
+    compile_script_options(p, list(FAMILIES), ["swin_t", "mvitv2_t windows"])
     p.add_argument("--backends", nargs="+", default=["aot_eager", "inductor"])
     p.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train"])
     p.add_argument("--hows", nargs="+", default=list(HOWS), choices=HOWS, help="ways of compiling to time (default: both)")
     p.add_argument("--size", type=hw_size("--size"), default=(256, 384), help="HxW of the one image (default 256x384)")
     p.add_argument("--tiny", action="store_true", help="a 16-channel, one-block-per-stage backbone (what the test runs)")
     p.add_argument("--json", default="", help="also write the report here")
-    args = p.parse_args(argv)
+    args = parsed_with_device(p, argv)
     size = args.size
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no GPU here")
     report: dict[str, Any] = {"device": args.device, "size": list(size), "environment": environment(args.device), "rows": []}
     report["environment"]["threads"] = torch.get_num_threads()
     for family in args.families:
@@ -152,11 +150,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         row[how] = {"error": error_line(err, 200)}
                 print(json.dumps(row), flush=True)
                 report["rows"].append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    print(markdown(report))
-    return report
+    return write_report(report, args.json, markdown(report))
 
 
 if __name__ == "__main__":

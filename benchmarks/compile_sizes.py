@@ -27,7 +27,10 @@ from typing import Any, Callable
 
 import torch
 
-from common import compiled_first_calls, environment, error_line, hw_size, interleaved_times, median
+from common import (
+    compile_script_options, compiled_first_calls, environment, error_line, hw_size, interleaved_times, median,
+    parsed_with_device, write_report,
+)
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "swin_t": ("swin_tiny", {}),
@@ -93,20 +96,16 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES), metavar="FAMILY",
-                   help=f"among {', '.join(FAMILIES)}")
+    compile_script_options(p, list(FAMILIES), list(FAMILIES))
     parse_size = hw_size("--sizes")
     p.add_argument("--sizes", nargs="+", type=parse_size, default=[parse_size(s) for s in DEFAULT_SIZES])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
     p.add_argument("--json", default="", help="also write the report here")
-    args = p.parse_args(argv)
+    args = parsed_with_device(p, argv)
     if args.repeats < 1:
         p.error(f"--repeats {args.repeats}: must be at least 1")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda: no GPU here")
     if args.threads:
         torch.set_num_threads(args.threads)
     report: dict[str, Any] = {"device": args.device, "backend": args.backend, "repeats": args.repeats,
@@ -117,11 +116,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except Exception as err:  # one family's failure is reported; the others still run
             report["families"][family] = {"error": error_line(err, 200)}
         print(family, json.dumps(report["families"][family]), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-    print(markdown(report))
-    return report
+    return write_report(report, args.json, markdown(report))
 
 
 if __name__ == "__main__":
