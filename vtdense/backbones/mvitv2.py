@@ -274,9 +274,10 @@ class MultiScaleAttention(nn.Module):
         if self.window:
             out = window_reverse(out, q_win, Hqp, Wqp)
             if torch.compiler.is_compiling():
-                # Cropped always, into a dense tensor: whether a crop by 0 is contiguous would be a
-                # guard on the map tiling exactly, read by the next op (a recompile at odd sizes).
-                out = out[:, :Hq, :Wq].clone(memory_format=torch.contiguous_format)
+                # Cropped always, into a new dense tensor by a negative pad. A cropped view's
+                # contiguity is a guard on the map tiling exactly (a recompile at odd sizes): the
+                # next op reads it, and so does AOT autograd's metadata of every view it traces.
+                out = F.pad(out, (0, 0, 0, Wq - Wqp, 0, Hq - Hqp))
             elif (Hqp, Wqp) != (Hq, Wq):
                 out = out[:, :Hq, :Wq]
         else:
