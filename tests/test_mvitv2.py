@@ -289,6 +289,34 @@ def test_window_attention_matches_unpadded_reference(size: tuple[int, int]) -> N
     assert (got - expected).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("stride", [1, 2, 4])
+def test_pooling_taps_equal_the_depthwise_conv(stride: int, bf16: bool) -> None:
+    """Compiled training pools by the conv's taps (``_depthwise_taps``): on maps that the stride
+    divides or not, the output, its dtype and the gradients of the input and the filters are the
+    conv's, to float rounding (bf16: within its rounding of sums taken in another order)."""
+    torch.manual_seed(0)
+    C = 12
+    for H, W in [(8, 8), (13, 5), (7, 9)]:
+        y = torch.randn(2, H, W, C, requires_grad=True)
+        w = torch.randn(C, 1, 3, 3, requires_grad=True)
+        results = []
+        for taps in (False, True):
+            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                if taps:
+                    out = mvitv2_module._depthwise_taps(y, w, (stride, stride), (1, 1))
+                else:
+                    out = torch.nn.functional.conv2d(y.permute(0, 3, 1, 2), w, None, stride, 1, groups=C).permute(0, 2, 3, 1)
+            grads = torch.autograd.grad(out.float().square().sum(), (y, w))
+            results.append((out, *grads))
+        (ref, *ref_grads), (got, *got_grads) = results
+        assert got.shape == ref.shape == (2, math.ceil(H / stride), math.ceil(W / stride), C)
+        assert got.dtype == ref.dtype == (torch.bfloat16 if bf16 else torch.float32)
+        tol = 2e-2 if bf16 else 1e-5
+        for a, b in zip((got, *got_grads), (ref, *ref_grads)):
+            assert (a.float() - b.float()).norm() <= tol * b.float().norm(), (H, W)
+
+
 @pytest.mark.parametrize("window", [0, 8])
 def test_replaced_or_hooked_qkv_is_called(window: int) -> None:
     """The attention projects q/k/v with row slices of a plain ``qkv`` Linear; a hooked or

@@ -58,6 +58,7 @@ from vtdense.layers.attention import attention
 from vtdense.layers.autocast import autocast_inputs, autocast_params
 from vtdense.layers import chunked
 from vtdense.layers.chunked import chunking_applies, row_slices, tracing
+from vtdense.layers.tracing import exporting, functorch_transform
 from vtdense.layers.decomposed_attention import (
     compiled_decomposed_attention,
     compiled_decomposed_attention_applies,
@@ -188,6 +189,9 @@ class MultiScaleAttention(nn.Module):
             return norm(z.view(B, h, d, *z.shape[2:]).permute(0, 3, 4, 1, 2).contiguous())
         weight, _ = autocast_params(pool.weight, None)  # inference under autocast: a kept cast copy
         filters = weight if h == 1 else weight.repeat(h, 1, 1, 1)
+        if torch.compiler.is_compiling() and not exporting() and torch.is_grad_enabled():
+            # compiled training: the taps, not the conv (see _depthwise_taps)
+            return norm(_depthwise_taps(y, filters, pool.stride, pool.padding).unflatten(-1, (h, d)))
         y = F.conv2d(y.permute(0, 3, 1, 2), filters, None, pool.stride, pool.padding, groups=h * d)
         y = y.permute(0, 2, 3, 1)  # (B, H', W', h*d), a view when the conv kept channels-last
         return norm(y.reshape(B, *y.shape[1:3], h, d))
@@ -394,6 +398,31 @@ class MultiScaleBlock(nn.Module):
         return residual(apply_linear(self.shortcut_proj_mlp, x_norm), self.drop_path2, self.mlp(x_norm))
 
 
+def _depthwise_taps(y: Tensor, filters: Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
+    """A depthwise conv on channels-last maps as a sum of its taps: ``y`` ``(B, H, W, C)``,
+    ``filters`` ``(C, 1, kh, kw)`` -> ``(B, H', W', C)``, ``H' = (H + 2 * ph - kh) // sh + 1``.
+
+    Compiled training's form of the pooling conv. Inductor cannot order the symbolic strides of
+    the conv's channels-last input view, which autograd saves for the weight's gradient, and
+    stops (torch 2.14, dynamic sizes). The taps are strided slices of one padded copy, multiplied
+    and summed in float32 (Inductor fuses them into one pass) and returned in the conv's dtype
+    (autocast's, where it is on). Eager code keeps the conv."""
+    kh, kw = filters.shape[2:]
+    (sh, sw), (ph, pw) = stride, padding
+    H, W = y.shape[1:3]
+    Ho, Wo = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
+    acc = torch.promote_types(y.dtype, torch.float32)
+    yp = F.pad(y, (0, 0, pw, pw, ph, ph)).to(acc)
+    taps = filters.to(acc).flatten(1)  # (C, kh * kw)
+    out = None
+    for i in range(kh):
+        for j in range(kw):
+            tap = yp[:, i : i + sh * (Ho - 1) + 1 : sh, j : j + sw * (Wo - 1) + 1 : sw] * taps[:, i * kw + j]
+            out = tap if out is None else out + tap
+    dtype = torch.get_autocast_dtype(y.device.type) if torch.is_autocast_enabled(y.device.type) else y.dtype
+    return out.to(dtype)
+
+
 class _PatchEmbed(nn.Module):
     """Overlapping 7x7 stride-4 conv embedding (padding 3): ``ceil(H/4) x ceil(W/4)`` tokens."""
 
@@ -402,6 +431,13 @@ class _PatchEmbed(nn.Module):
         self.proj = nn.Conv2d(in_chans, dim, kernel_size=7, stride=4, padding=3)
 
     def forward(self, x: Tensor) -> Tensor:
+        """``(B, C, H, W)`` -> ``(B, ceil(H/4), ceil(W/4), dim)``."""
+        if x.device.type == "cpu" and not functorch_transform():  # vmap cannot query channels-last
+            # A channels-last conv on the CPU (oneDNN's layout): its output permuted to (B, H, W, C)
+            # is dense for the first norm. Compiled code needs the same: Inductor lays CPU convs
+            # out channels-last anyway, and a saved activation laid out otherwise than in the
+            # trace is handed to the backward's compile with fixed strides (a recompile per size).
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.proj(x).permute(0, 2, 3, 1)
 
 
