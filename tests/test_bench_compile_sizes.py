@@ -49,3 +49,20 @@ def test_first_call_script_times_a_way_of_compiling_in_a_fresh_process(capsys: p
     with pytest.raises(SystemExit):
         compile_first.main(["--size", "64"])
     assert "--size '64'" in capsys.readouterr().err
+
+
+def test_training_script_compares_a_compiled_step_with_eager_at_each_size(capsys: pytest.CaptureFixture[str]) -> None:
+    """``compile_train_sizes.py``: a compiled training step per size, the graph count after it and
+    the difference of outputs and parameter gradients to eager (Dynamo's own capture, backend
+    "eager", keeps it within seconds; both sizes share one graph)."""
+    import compile_train_sizes
+
+    report = compile_train_sizes.main(["--families", "mvitv2 windows", "--backend", "eager", "--sizes", "64x96", "96x64"])
+    rows = report["mvitv2 windows"]
+    assert [r["size"] for r in rows] == [(64, 96), (96, 64)] and all("error" not in r for r in rows), rows
+    assert [r["graphs"] for r in rows] == [1, 1]
+    assert all(0 <= r["max abs diff"] < 1e-5 for r in rows), rows
+    assert "mvitv2 windows 96x64:" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        compile_train_sizes.main(["--batch", "0"])
+    assert "--batch 0" in capsys.readouterr().err
