@@ -95,7 +95,7 @@ def trace_attempts() -> int:
 
 def compile_script_options(p: argparse.ArgumentParser, families: list[str], default: list[str]) -> None:
     """The ``--device`` (``cpu`` or ``cuda``) and ``--families`` options of the compile scripts
-    (``compile_sizes.py``, ``compile_first.py``)."""
+    (``compile_sizes.py``, ``compile_first.py``, ``compile_train_sizes.py``)."""
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--families", nargs="+", default=default, choices=families, metavar="FAMILY",
                    help=f"among {', '.join(families)}")

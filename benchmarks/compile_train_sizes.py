@@ -4,9 +4,10 @@ For each backbone, one training step (forward, a probe loss, backward) at each s
 compiled and then eager on a copy with the same weights. Printed per size: the seconds of the
 compiled step (the first size compiles; a later one that takes about as long compiled again),
 Dynamo's graph count after it, and the largest difference of the compiled step's outputs and
-parameter gradients to eager's. Where a compile fails, the error's last line.
+parameter gradients to eager's. Where a compile fails, the error's first line.
 
-``--tiny`` (the default) is the tests' 16-channel model: on the CPU, Inductor's C++ code generation of
+On ``--device cuda`` both run under bf16 autocast (so the differences are bf16's).
+The tests' 16-channel models are the default: on the CPU, Inductor's C++ code generation of
 a full-size training step takes much longer. Inductor's C++ reductions pick their form by the
 number of rows (``need_use_acc_helper``: at most 4096 rows), so small maps on either side of that
 compile twice; the default sizes are all above it.
@@ -15,18 +16,20 @@ Usage::
 
     python benchmarks/compile_train_sizes.py --families "mvitv2 windows" --backend inductor
     python benchmarks/compile_train_sizes.py --families swin --backend aot_eager --sizes 160x192 192x256
+    python benchmarks/compile_train_sizes.py --device cuda --full --sizes 512x768 640x800 480x736
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import time
 from typing import Any
 
 import torch
 
-from common import error_line, hw_size
+from common import compile_script_options, error_line, hw_size, parsed_with_device, sync
 
 TINY: dict[str, tuple[str, dict[str, Any]]] = {
     "swin": ("swin_tiny", dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4)),
@@ -44,15 +47,19 @@ DEFAULT_SIZES = ("192x256", "224x288", "200x232", "232x264")
 
 
 def _step(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    """Outputs and parameter gradients of one step with a probe loss (gradients cleared after)."""
-    out = list(model(x).values())
+    """Outputs and parameter gradients of one step with a probe loss (gradients cleared after);
+    under bf16 autocast on CUDA."""
+    cuda = x.device.type == "cuda"
+    with torch.autocast("cuda", torch.bfloat16) if cuda else contextlib.nullcontext():
+        out = list(model(x).values())
     sum(o.float().square().mean() for o in out).backward()
     grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
     return [o.detach() for o in out] + grads
 
 
-def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str, tiny: bool) -> list[dict[str, Any]]:
+def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str, tiny: bool,
+            device: str = "cpu") -> list[dict[str, Any]]:
     """Rows of one family: size, compiled-step seconds, graphs so far, max abs diff to eager."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -64,20 +71,22 @@ def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str,
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    eager = vtdense.create_backbone(name, drop_path_rate=0.0, **overrides).train()
+    eager = vtdense.create_backbone(name, drop_path_rate=0.0, **overrides).to(device).train()
     compiled = compile_backbone(copy.deepcopy(eager), backend)
     rows = []
     for size in sizes:
-        x = torch.randn(batch, 3, *size)
+        x = torch.randn(batch, 3, *size, device=device)
         start = time.perf_counter()
         try:
             got = _step(compiled, x)
+            sync(device)
         except Exception as err:  # noqa: BLE001 - a failed compile is a result
             rows.append({"size": size, "error": error_line(err)})
+            print(f"{family} {size[0]}x{size[1]}: {rows[-1]['error']}", flush=True)
             break
         seconds = time.perf_counter() - start
         want = _step(eager, x)
-        diff = max((a - b).abs().max().item() for a, b in zip(got, want))
+        diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
         rows.append({"size": size, "seconds": round(seconds, 1), "graphs": counters["stats"]["unique_graphs"],
                      "max abs diff": diff})
         print(f"{family} {size[0]}x{size[1]}: {seconds:.1f} s, graphs {rows[-1]['graphs']}, max abs diff {diff:.1e}",
@@ -88,15 +97,15 @@ def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str,
 def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parse_size = hw_size("--sizes")
-    p.add_argument("--families", nargs="+", default=list(TINY), choices=list(TINY))
+    compile_script_options(p, list(TINY), list(TINY))
     p.add_argument("--backend", default="inductor")
     p.add_argument("--sizes", nargs="+", type=parse_size, default=[parse_size(s) for s in DEFAULT_SIZES])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--full", action="store_true", help="the published tiny configs instead of the tests' 16-channel ones")
-    args = p.parse_args(argv)
+    args = parsed_with_device(p, argv)
     if args.batch < 1:
         p.error(f"--batch {args.batch}: must be at least 1")
-    return {f: measure(f, args.sizes, args.batch, args.backend, tiny=not args.full) for f in args.families}
+    return {f: measure(f, args.sizes, args.batch, args.backend, not args.full, args.device) for f in args.families}
 
 
 if __name__ == "__main__":
