@@ -15,9 +15,21 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vtdense.layers.cpu_linear import cpu_matmul
-from vtdense.layers.tracing import tracing
+from vtdense.layers.tracing import functorch_transform, tracing
 
-__all__ = ["Backbone", "run_blocks"]
+__all__ = ["Backbone", "run_blocks", "cpu_channels_last"]
+
+
+def cpu_channels_last(x: Tensor) -> Tensor:
+    """``x`` (``(B, C, H, W)``) channels-last on the CPU, as it is elsewhere: the input of a patch
+    embedding's conv. oneDNN's channels-last conv is faster, its output permuted to ``(B, H, W, C)``
+    is dense for the first norm, and compiled code needs it too: Inductor lays CPU convs out
+    channels-last anyway, and an activation saved in another layout than the trace's reaches the
+    backward's compile with fixed strides (a recompile at every new size). Not under a ``torch.func``
+    transform, which cannot query channels-last."""
+    if x.device.type == "cpu" and not functorch_transform():
+        return x.contiguous(memory_format=torch.channels_last)
+    return x
 
 
 def run_blocks(blocks: Iterable[nn.Module], x: Tensor, grad_checkpointing: bool = False) -> Tensor:

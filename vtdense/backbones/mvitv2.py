@@ -52,13 +52,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vtdense.backbones.base import Backbone, run_blocks
+from vtdense.backbones.base import Backbone, cpu_channels_last, run_blocks
 from vtdense.backbones.registry import register_config
 from vtdense.layers.attention import attention
 from vtdense.layers.autocast import autocast_inputs, autocast_params
 from vtdense.layers import chunked
-from vtdense.layers.chunked import chunking_applies, row_slices, tracing
-from vtdense.layers.tracing import exporting, functorch_transform
+from vtdense.layers.chunked import chunking_applies, row_slices
+from vtdense.layers.tracing import exporting, tracing
 from vtdense.layers.decomposed_attention import (
     compiled_decomposed_attention,
     compiled_decomposed_attention_applies,
@@ -432,13 +432,7 @@ class _PatchEmbed(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         """``(B, C, H, W)`` -> ``(B, ceil(H/4), ceil(W/4), dim)``."""
-        if x.device.type == "cpu" and not functorch_transform():  # vmap cannot query channels-last
-            # A channels-last conv on the CPU (oneDNN's layout): its output permuted to (B, H, W, C)
-            # is dense for the first norm. Compiled code needs the same: Inductor lays CPU convs
-            # out channels-last anyway, and a saved activation laid out otherwise than in the
-            # trace is handed to the backward's compile with fixed strides (a recompile per size).
-            x = x.contiguous(memory_format=torch.channels_last)
-        return self.proj(x).permute(0, 2, 3, 1)
+        return self.proj(cpu_channels_last(x)).permute(0, 2, 3, 1)
 
 
 class MViTv2Stage(nn.Module):
