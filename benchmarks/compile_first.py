@@ -1,11 +1,14 @@
-"""Seconds to a backbone's first compiled call, ``torch.compile(dynamic=True)`` beside ``compile_backbone``.
+"""Seconds to a backbone's first compiled call: ``torch.compile(dynamic=True)`` beside ``compile_backbone``.
 
 With ``dynamic=True`` Dynamo makes each Python float the model reads a graph input (every
 LayerNorm's ``eps``). ``layer_norm`` takes ``eps`` as a number, so lowering the graph specialises
 it, and torch then restarts the whole trace with those floats constant: the backbone is traced
 twice before its first call returns. :func:`vtdense.models.compile.compile_backbone` traces with
-the floats constant from the start. This script times both on the same backbone, each in a fresh
-process with an empty Inductor cache (so neither reuses the other's kernels), and reports Dynamo's
+the floats constant from the start, and it traces an image whose sides are multiples of 32 (the
+default 256x384) in 32-pixel cells, so that its sizes are the cell counts; ``compile_backbone any-size``
+(``size_divisible=1``) is the one graph for every size that it compiled before. This script times
+these on the same backbone, each in a fresh process with an empty Inductor cache (so none reuses
+another's kernels), and reports Dynamo's
 trace attempts (2 = one restart) and the largest difference of the outputs (and, in training, of
 the input's gradient) to eager.
 
@@ -43,7 +46,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "swinv2_t": ("swinv2_tiny", {"window_size": 8}),
     "mvitv2_t windows": ("mvitv2_tiny", {"window_size": 56}),
 }
-HOWS = ("torch.compile", "compile_backbone")
+# "compile_backbone any-size": compile_backbone(size_divisible=1), one graph for every size (what it
+# compiled before sizes in whole 32-pixel cells got their own graph: RESULTS.md, "Compile: sizes in whole cells")
+HOWS = ("torch.compile", "compile_backbone any-size", "compile_backbone")
 TINY = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))
 
 
@@ -80,7 +85,7 @@ def first_call(family: str, how: str, backend: str, mode: str, size: tuple[int, 
     if how == "torch.compile":
         compiled = torch.compile(model, dynamic=True, backend=backend)
     else:
-        compiled = compile_backbone(model, backend)
+        compiled = compile_backbone(model, backend, size_divisible=1 if how.endswith("any-size") else None)
     got = run(compiled)
     if device == "cuda":
         torch.cuda.synchronize()
@@ -112,17 +117,16 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"### First compiled call: `python benchmarks/compile_first.py` (batch 1 at {size})", "",
              f"Measured {env.get('date')} on {env.get('gpu', env.get('cpu', report['device']))}, {env.get('threads', '')} CPU threads; torch "
              f"{env.get('torch')}, vtdense {env.get('vtdense')}. Each cell ran in a fresh process with an empty Inductor cache.", "",
-             "| backbone | backend | mode | `torch.compile(dynamic=True)` s (attempts) | `compile_backbone` s (attempts) | ratio | max abs diff to eager |",
-             "|---|---|---|---|---|---|---|"]
+             "| backbone | backend | mode | `torch.compile(dynamic=True)` s (attempts) | `compile_backbone(size_divisible=1)` s "
+             "(attempts) | `compile_backbone` s (attempts) | first / last | max abs diff to eager |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in report["rows"]:
-        a, b = (row.get(how, {"error": "not run"}) for how in HOWS)
-        if "error" in a or "error" in b:
-            lines.append(f"| {row['family']} | {row['backend']} | {row['mode']} | {a.get('error', a.get('seconds'))} | "
-                         f"{b.get('error', b.get('seconds'))} | | |")
-            continue
-        lines.append(f"| {row['family']} | {row['backend']} | {row['mode']} | {a['seconds']} ({a['attempts']}) | "
-                     f"{b['seconds']} ({b['attempts']}) | {a['seconds'] / b['seconds']:.2f}x | "
-                     f"{a['max abs diff']:.1e} / {b['max abs diff']:.1e} |")
+        cells = [row.get(how, {"error": "not run"}) for how in HOWS]
+        timed = [c for c in cells if "error" not in c]
+        text = [c.get("error") or f"{c['seconds']} ({c['attempts']})" for c in cells]
+        ratio = f"{timed[0]['seconds'] / timed[-1]['seconds']:.2f}x" if len(timed) > 1 else ""
+        diffs = " / ".join(f"{c['max abs diff']:.1e}" for c in timed)
+        lines.append(f"| {row['family']} | {row['backend']} | {row['mode']} | {' | '.join(text)} | {ratio} | {diffs} |")
     return "\n".join(lines) + "\n"
 
 
@@ -131,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     compile_script_options(p, list(FAMILIES), ["swin_t", "mvitv2_t windows"])
     p.add_argument("--backends", nargs="+", default=["aot_eager", "inductor"])
     p.add_argument("--modes", nargs="+", default=["infer", "train"], choices=["infer", "train"])
-    p.add_argument("--hows", nargs="+", default=list(HOWS), choices=HOWS, help="ways of compiling to time (default: both)")
+    p.add_argument("--hows", nargs="+", default=list(HOWS), choices=HOWS, help="ways of compiling to time (default: all)")
     p.add_argument("--size", type=hw_size("--size"), default=(256, 384), help="HxW of the one image (default 256x384)")
     p.add_argument("--tiny", action="store_true", help="a 16-channel, one-block-per-stage backbone (what the test runs)")
     p.add_argument("--json", default="", help="also write the report here")

@@ -10,7 +10,9 @@ On ``--device cuda`` both run under bf16 autocast (so the differences are bf16's
 The tests' 16-channel models are the default: on the CPU, Inductor's C++ code generation of
 a full-size training step takes much longer. Inductor's C++ reductions pick their form by the
 number of rows (``need_use_acc_helper``: at most 4096 rows), so small maps on either side of that
-compile twice; the default sizes are all above it.
+compile twice; the default sizes are all above it. ``compile_backbone`` compiles one graph for sizes
+in whole 32-pixel cells and one for the others (``--size-divisible 1``: one graph for all), so the
+default sizes, two of each kind, make two graphs.
 
 Usage::
 
@@ -59,7 +61,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str, tiny: bool,
-            device: str = "cpu") -> list[dict[str, Any]]:
+            device: str = "cpu", size_divisible: int | None = None) -> list[dict[str, Any]]:
     """Rows of one family: size, compiled-step seconds, graphs so far, max abs diff to eager."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -72,7 +74,7 @@ def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str,
     counters.clear()
     torch.manual_seed(0)
     eager = vtdense.create_backbone(name, drop_path_rate=0.0, **overrides).to(device).train()
-    compiled = compile_backbone(copy.deepcopy(eager), backend)
+    compiled = compile_backbone(copy.deepcopy(eager), backend, size_divisible=size_divisible)
     rows = []
     for size in sizes:
         x = torch.randn(batch, 3, *size, device=device)
@@ -102,10 +104,15 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     p.add_argument("--sizes", nargs="+", type=parse_size, default=[parse_size(s) for s in DEFAULT_SIZES])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--full", action="store_true", help="the published tiny configs instead of the tests' 16-channel ones")
+    p.add_argument("--size-divisible", type=int, default=None,
+                   help="compile_backbone's size_divisible (default: the backbone's deepest stride; 1: one graph for all sizes)")
     args = parsed_with_device(p, argv)
     if args.batch < 1:
         p.error(f"--batch {args.batch}: must be at least 1")
-    return {f: measure(f, args.sizes, args.batch, args.backend, not args.full, args.device) for f in args.families}
+    if args.size_divisible is not None and args.size_divisible < 1:
+        p.error(f"--size-divisible {args.size_divisible}: must be at least 1")
+    return {f: measure(f, args.sizes, args.batch, args.backend, not args.full, args.device, args.size_divisible)
+            for f in args.families}
 
 
 if __name__ == "__main__":

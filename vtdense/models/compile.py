@@ -8,6 +8,13 @@ kernels are many and small. :func:`compile_backbone` compiles that part alone, i
 custom ops that take the symbolic sizes, so the part is one graph with no break and multi-scale
 training compiles once for every size instead of once per shape.
 
+Images whose height and width are multiples of the backbone's deepest stride (32; detectors and
+segmentors pad their batches to it) go to a second graph traced on the image cut into ``32 x 32``
+cells: its symbolic sizes are the cell counts ``h, w``, so every stage map is exactly ``8h x 8w``,
+``4h x 4w``, ... where the any-size graph carries nested floor divisions
+(``((H - 1) // 4 - 1) // 2 + 1``). Shorter size arithmetic is shorter to trace, to prove guards on
+and to generate code for. Other sizes run the any-size graph, so a run compiles at most the two.
+
 On a GPU this fuses the many elementwise kernels (casts, adds, norms) of each block, which is
 what a host-bound bf16 detector step spends its time launching. On a CPU the backbone is
 matmul-bound and compiling gains little.
@@ -80,13 +87,18 @@ def backbone_module(model: nn.Module) -> nn.Module:
     raise ValueError(f"{type(model).__name__} has no 'backbone' or 'encoder' module to compile")
 
 
-def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", **kwargs: Any) -> nn.Module:
+def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", *, size_divisible: int | None = None,
+                     **kwargs: Any) -> nn.Module:
     """Compile the backbone part of ``model`` (see :func:`backbone_module`) in place, for all sizes.
 
     Args:
         model: a detector, a segmentor or a backbone; its ``state_dict`` keys do not change.
         backend: a ``torch.compile`` backend, or a value of :func:`check_compile_option`
             (``True``: inductor; ``None`` / ``False``: leave eager).
+        size_divisible: a ``(B, C, H, W)`` input with ``H`` and ``W`` multiples of this runs a graph
+            traced with its size in these units (module docstring); other inputs run the any-size
+            graph. ``None``: the backbone's deepest stride (32), ``1``: one graph for every size.
+            Ignored with ``dynamic=False``.
         **kwargs: more ``torch.compile`` options (``mode``, ``fullgraph``, ...); ``dynamic``
             defaults to ``True``.
 
@@ -105,6 +117,7 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
     """
     name = check_compile_option(backend, "backend")
     part = backbone_module(model)
+    unit = _size_unit(part, size_divisible)
     if name is None:
         return part
     if name == "eager" and _random_in_checkpointed_blocks(part):
@@ -119,9 +132,55 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
     config = dict(specialize_float=True)
     if name == "eager":
         config["optimize_ddp"] = False
-    part._compiled_call_impl = _traced_with(part._compiled_call_impl, **config)
+    any_size = _traced_with(part._compiled_call_impl, **config)
+    if unit > 1 and kwargs["dynamic"] is not False:
+        in_cells = _traced_with(torch.compile(_cells_forward(part), backend=name, **kwargs), **config)
+        part._compiled_call_impl = _by_size(any_size, in_cells, unit)
+    else:
+        part._compiled_call_impl = any_size
     part._vtdense_compiled = name  # what is_compiled reports
     return part
+
+
+def _size_unit(part: nn.Module, size_divisible: int | None) -> int:
+    """``size_divisible``, checked; ``None``: the deepest ``out_strides`` of a backbone in ``part`` (1 if none)."""
+    if size_divisible is None:
+        strides = [int(s) for m in part.modules() for s in getattr(m, "out_strides", ())]
+        return max(strides, default=1)
+    if isinstance(size_divisible, bool) or not isinstance(size_divisible, int) or size_divisible < 1:
+        raise ValueError(f"size_divisible must be a positive int (1: one graph for every size), got {size_divisible!r}")
+    return size_divisible
+
+
+def _cells_forward(part: nn.Module) -> Callable[[torch.Tensor], Any]:
+    """``part``'s forward on an image given as ``(B, C, h, unit, w, unit)`` cells."""
+
+    def forward(cells: torch.Tensor) -> Any:
+        return part._call_impl(cells.flatten(4, 5).flatten(2, 3))
+
+    return forward
+
+
+def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], Any], unit: int) -> Callable[..., Any]:
+    """Send a ``(B, C, H, W)`` tensor whose ``H`` and ``W`` are multiples of ``unit`` to ``in_cells``
+    as ``(B, C, H / unit, unit, W / unit, unit)``, and every other call to ``any_size``.
+
+    The cells are a copy, not a view: Dynamo traces a view input together with its base, whose
+    sizes become symbols of their own, and the graph then has to relate ``H`` to ``h`` again (one
+    image's copy: a few microseconds of a training step). The two ``unit`` dimensions are marked
+    static so that ``dynamic=True`` keeps them literal."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if (isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[2] % unit == 0 and x.shape[3] % unit == 0
+                and not torch.compiler.is_compiling()):
+            cells = x.unflatten(3, (x.shape[3] // unit, unit)).unflatten(2, (x.shape[2] // unit, unit)).clone()
+            torch._dynamo.mark_static(cells, 3)
+            torch._dynamo.mark_static(cells, 5)
+            return in_cells(cells)
+        return any_size(*args, **kwargs)
+
+    return call
 
 
 def _random_in_checkpointed_blocks(part: nn.Module) -> bool:

@@ -1,0 +1,118 @@
+"""``compile_backbone``'s two graphs: images in whole 32-pixel cells (what detectors and segmentors
+feed it: their batches are padded to 32) and images of any other size.
+
+In the cells graph the symbolic sizes are the cell counts, so every stage map is an exact multiple
+of them, with no floor division left to trace, guard on or generate code for
+(``benchmarks/RESULTS.md``, "Compile: sizes in whole cells")."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import sympy
+import torch
+import torch._dynamo
+from torch._dynamo.backends.registry import register_backend
+from torch._dynamo.utils import counters
+
+import vtdense
+from probe import probe_loss
+from vtdense.models.compile import compile_backbone
+
+SWIN = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
+MVIT = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, window_size=8, drop_path_rate=0.0)
+
+_GRAPHS: list[torch.fx.GraphModule] = []
+_RECORD = "vtdense_test_record_graphs"
+if _RECORD not in torch._dynamo.list_backends(exclude_tags=()):
+
+    @register_backend(name=_RECORD)
+    def _record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        _GRAPHS.append(gm)
+        return gm.forward
+
+
+def _map_sizes(gm: torch.fx.GraphModule) -> tuple[list[sympy.Expr], list[tuple[sympy.Expr, sympy.Expr]]]:
+    """The graph's image input's symbolic sizes and the ``(H, W)`` expressions of its 4-D outputs."""
+    (image,) = [n.meta["example_value"] for n in gm.graph.nodes
+                if n.op == "placeholder" and isinstance(n.meta.get("example_value"), torch.Tensor)
+                and any(isinstance(s, torch.SymInt) for s in n.meta["example_value"].shape)]
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    maps = [n.meta["example_value"] for n in out.args[0] if isinstance(n, torch.fx.Node)]
+    maps = [m for m in maps if isinstance(m, torch.Tensor) and m.dim() == 4]
+    as_expr = (lambda s: s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(s))  # noqa: E731
+    return [as_expr(s) for s in image.shape], [(as_expr(m.shape[2]), as_expr(m.shape[3])) for m in maps]
+
+
+@pytest.mark.parametrize("name,kwargs", [("swin_tiny", SWIN), ("mvitv2_tiny", MVIT)], ids=["swin", "mvitv2"])
+def test_in_cells_every_stage_map_is_a_multiple_of_the_cell_counts(name: str, kwargs: dict) -> None:
+    """The cells graph's maps are ``(32 / s) h x (32 / s) w`` for stride ``s``. (Swin: the any-size
+    graph, ``size_divisible=1``, what every input ran before, writes the same maps with floor
+    divisions.)"""
+    model = vtdense.create_backbone(name, **kwargs).eval()
+    exprs = {}
+    for unit in (None, 1) if name.startswith("swin") else (None,):
+        torch._dynamo.reset()
+        _GRAPHS.clear()
+        compile_backbone(copy.deepcopy(model), _RECORD, size_divisible=unit, fullgraph=True)(torch.randn(2, 3, 192, 256))
+        assert len(_GRAPHS) == 1
+        exprs[unit] = _map_sizes(_GRAPHS[0])
+    (_, _, h, cell_h, w, cell_w), maps = exprs[None]
+    assert (cell_h, cell_w) == (32, 32) and all(isinstance(s, sympy.Symbol) for s in (h, w))
+    assert len(maps) == len(model.out_strides)
+    for (H, W), stride in zip(maps, model.out_strides):
+        assert (sympy.expand(H - 32 // stride * h), sympy.expand(W - 32 // stride * w)) == (0, 0), (stride, H, W)
+    if 1 in exprs:
+        (_, _, H_in, W_in), any_size = exprs[1]
+        assert all(isinstance(s, sympy.Symbol) for s in (H_in, W_in))
+        assert all(any(f in str(H) for f in ("//", "FloorDiv", "Ceil")) for H, _ in any_size), any_size
+
+
+def test_sizes_in_whole_cells_share_one_graph_and_train_like_eager() -> None:
+    """MViTv2 with hybrid windows, training: multiples of 32 run one graph, other sizes one more,
+    and nothing recompiles after those two. Outputs are eager's; the gradients, the image's included
+    (the cells are a copy inside autograd), are the any-size graph's.
+
+    Gradients are compared between the two graphs, not with eager: they pass MViTv2's max-pooled
+    shortcuts, whose gradient goes to each pooling window's largest value. Where two values are
+    within float32 rounding of each other, rounding picks the one, and compiled code rounds
+    differently from eager (as float32 does from float64): at 224x288, one window moved the
+    patch embedding's weight gradient by 30% in places. The two graphs run the same kernels."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = vtdense.create_backbone("mvitv2_tiny", **MVIT).train()
+    in_cells, any_size = copy.deepcopy(eager), copy.deepcopy(eager)
+    compile_backbone(in_cells, "eager", fullgraph=True)
+    compile_backbone(any_size, "eager", fullgraph=True, size_divisible=1)
+    sizes = [(192, 256), (224, 288), (200, 232), (256, 160), (232, 264)]
+    images = [torch.randn(2, 3, *size) for size in sizes]
+
+    def step(m: torch.nn.Module, x: torch.Tensor) -> tuple[list, list]:
+        m.zero_grad()
+        xi = x.clone().requires_grad_()
+        out = m(xi)
+        probe_loss(out).backward()
+        return list(out.values()), [xi.grad, *(p.grad for p in m.parameters())]
+
+    graphs, runs = [], []
+    for x in images:
+        runs.append(step(in_cells, x))
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1, 2, 2, 2]  # multiples of 32, then the other sizes' graph, then nothing new
+    for x, (outs, grads) in zip(images, runs):
+        for a, b in zip(outs, step(eager, x)[0]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert grads[0] is not None
+        for a, b in zip(grads, step(any_size, x)[1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # the copies share the any-size graph (parameters are graph inputs): still two
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_size_divisible_is_checked() -> None:
+    model = vtdense.create_backbone("swin_tiny", **SWIN)
+    for bad in (0, -32, 2.5, True):
+        with pytest.raises(ValueError, match="size_divisible"):
+            compile_backbone(model, "eager", size_divisible=bad)
