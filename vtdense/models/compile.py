@@ -167,7 +167,7 @@ def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], An
 
     The cells are a copy, not a view: Dynamo traces a view input together with its base, whose
     sizes become symbols of their own, and the graph then has to relate ``H`` to ``h`` again (one
-    image's copy: a few microseconds of a training step). The two ``unit`` dimensions are marked
+    copy of the input, small beside the backbone's own traffic). The two ``unit`` dimensions are marked
     static so that ``dynamic=True`` keeps them literal."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
