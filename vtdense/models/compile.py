@@ -168,7 +168,11 @@ def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], An
     The cells are a copy, not a view: Dynamo traces a view input together with its base, whose
     sizes become symbols of their own, and the graph then has to relate ``H`` to ``h`` again (one
     copy of the input, small beside the backbone's own traffic). The two ``unit`` dimensions are marked
-    static so that ``dynamic=True`` keeps them literal."""
+    static so that ``dynamic=True`` keeps them literal. Duck shaping is off for this graph: Dynamo
+    gives sizes of equal value one symbol, and cell counts are small numbers that often equal the
+    batch or the 3 channels (the channel check then fixed the width at 3 cells: a recompile at the
+    next width)."""
+    from torch.fx.experimental import _config as shape_config
 
     def call(*args: Any, **kwargs: Any) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
@@ -177,7 +181,8 @@ def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], An
             cells = x.unflatten(3, (x.shape[3] // unit, unit)).unflatten(2, (x.shape[2] // unit, unit)).clone()
             torch._dynamo.mark_static(cells, 3)
             torch._dynamo.mark_static(cells, 5)
-            return in_cells(cells)
+            with shape_config.patch(use_duck_shape=False):
+                return in_cells(cells)
         return any_size(*args, **kwargs)
 
     return call
