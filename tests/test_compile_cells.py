@@ -47,26 +47,19 @@ def _map_sizes(gm: torch.fx.GraphModule) -> tuple[list[sympy.Expr], list[tuple[s
 
 @pytest.mark.parametrize("name,kwargs", [("swin_tiny", SWIN), ("mvitv2_tiny", MVIT)], ids=["swin", "mvitv2"])
 def test_in_cells_every_stage_map_is_a_multiple_of_the_cell_counts(name: str, kwargs: dict) -> None:
-    """The cells graph's maps are ``(32 / s) h x (32 / s) w`` for stride ``s``. (Swin: the any-size
-    graph, ``size_divisible=1``, what every input ran before, writes the same maps with floor
-    divisions.)"""
+    """The cells graph's maps are ``(32 / s) h x (32 / s) w`` for stride ``s``. (The any-size graph,
+    ``size_divisible=1``, what every input ran before, writes them with floor divisions such as
+    ``((H - 1) // 4 - 1) // 2 + 1``, and its image input has four dimensions: this test fails there.)"""
     model = vtdense.create_backbone(name, **kwargs).eval()
-    exprs = {}
-    for unit in (None, 1) if name.startswith("swin") else (None,):
-        torch._dynamo.reset()
-        _GRAPHS.clear()
-        compile_backbone(copy.deepcopy(model), _RECORD, size_divisible=unit, fullgraph=True)(torch.randn(2, 3, 192, 256))
-        assert len(_GRAPHS) == 1
-        exprs[unit] = _map_sizes(_GRAPHS[0])
-    (_, _, h, cell_h, w, cell_w), maps = exprs[None]
+    torch._dynamo.reset()
+    _GRAPHS.clear()
+    compile_backbone(model, _RECORD, fullgraph=True)(torch.randn(2, 3, 192, 256))
+    assert len(_GRAPHS) == 1
+    (_, _, h, cell_h, w, cell_w), maps = _map_sizes(_GRAPHS[0])
     assert (cell_h, cell_w) == (32, 32) and all(isinstance(s, sympy.Symbol) for s in (h, w))
     assert len(maps) == len(model.out_strides)
     for (H, W), stride in zip(maps, model.out_strides):
         assert (sympy.expand(H - 32 // stride * h), sympy.expand(W - 32 // stride * w)) == (0, 0), (stride, H, W)
-    if 1 in exprs:
-        (_, _, H_in, W_in), any_size = exprs[1]
-        assert all(isinstance(s, sympy.Symbol) for s in (H_in, W_in))
-        assert all(any(f in str(H) for f in ("//", "FloorDiv", "Ceil")) for H, _ in any_size), any_size
 
 
 def test_sizes_in_whole_cells_share_one_graph_and_train_like_eager() -> None:
