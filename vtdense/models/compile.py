@@ -134,7 +134,7 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
         config["optimize_ddp"] = False
     any_size = _traced_with(part._compiled_call_impl, **config)
     if unit > 1 and kwargs["dynamic"] is not False:
-        in_cells = _traced_with(torch.compile(_cells_forward(part), backend=name, **kwargs), **config)
+        in_cells = _traced_with(torch.compile(_cells_forward(part), backend=name, **kwargs), duck_shape=False, **config)
         part._compiled_call_impl = _by_size(any_size, in_cells, unit)
     else:
         part._compiled_call_impl = any_size
@@ -168,11 +168,8 @@ def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], An
     The cells are a copy, not a view: Dynamo traces a view input together with its base, whose
     sizes become symbols of their own, and the graph then has to relate ``H`` to ``h`` again (one
     copy of the input, small beside the backbone's own traffic). The two ``unit`` dimensions are marked
-    static so that ``dynamic=True`` keeps them literal. Duck shaping is off for this graph: Dynamo
-    gives sizes of equal value one symbol, and cell counts are small numbers that often equal the
-    batch or the 3 channels (the channel check then fixed the width at 3 cells: a recompile at the
-    next width)."""
-    from torch.fx.experimental import _config as shape_config
+    static so that ``dynamic=True`` keeps them literal. ``in_cells`` is traced without duck shaping
+    (:func:`_traced_with`)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
@@ -181,8 +178,7 @@ def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], An
             cells = x.unflatten(3, (x.shape[3] // unit, unit)).unflatten(2, (x.shape[2] // unit, unit)).clone()
             torch._dynamo.mark_static(cells, 3)
             torch._dynamo.mark_static(cells, 5)
-            with shape_config.patch(use_duck_shape=False):
-                return in_cells(cells)
+            return in_cells(cells)
         return any_size(*args, **kwargs)
 
     return call
@@ -204,7 +200,7 @@ def _random_in_checkpointed_blocks(part: nn.Module) -> bool:
     return checkpointed and any(isinstance(m, (DropPath, nn.Dropout)) and m.p > 0 for m in modules)
 
 
-def _traced_with(compiled: Callable[..., Any], **config: Any) -> Callable[..., Any]:
+def _traced_with(compiled: Callable[..., Any], duck_shape: bool = True, **config: Any) -> Callable[..., Any]:
     """``compiled``, traced under Dynamo's ``config`` (scoped to this module's calls; 20-40 us a call on the CPU).
 
     - ``specialize_float=True``: with ``dynamic=True`` Dynamo makes every Python float it reads a
@@ -220,11 +216,17 @@ def _traced_with(compiled: Callable[..., Any], **config: Any) -> Callable[..., A
       the pieces on fake tensors without the Python dispatcher, fails on ``F.interpolate`` with
       symbolic sizes (the FPN's top-down path): "SymIntArrayRef expected to contain only concrete
       integers".
+    - ``duck_shape=False`` (the cells graph): Dynamo gives sizes of equal value one symbol. Cell
+      counts are small numbers that often equal the batch or the 3 channels; the backbone's channel
+      check then fixed a width of 3 cells at 3, and the next width compiled again.
     """
+    from torch.fx.experimental import _config as shape_config
+
+    shapes = {} if duck_shape else {"use_duck_shape": False}
 
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(**config):
+        with torch._dynamo.config.patch(**config), shape_config.patch(**shapes):
             return compiled(*args, **kwargs)
 
     return call
