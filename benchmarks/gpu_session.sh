@@ -9,6 +9,10 @@
 #                                                   # for a session lent 15 minutes: kernel report, every
 #                                                   # bench case (no compiled contenders, no sections),
 #                                                   # the compile check, then profile_gpu.py's tables
+#   bash benchmarks/gpu_session.sh attn [TOTAL]     # one call (default 540 s) for the Triton window attention
+#                                                   # (`triton-attn`, never timed before): its check and backward sweep,
+#                                                   # host_split and the training rows with it, then compile_backbone's
+#                                                   # cells graph against the any-size graph on the GPU (Swin-T)
 #   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 480 s): the Triton LayerNorm and
 #                                                   # recomputation checks, the rows where vtdense trailed
 #                                                   # (with their switches' contenders), then the compiled
@@ -51,8 +55,8 @@ if [ "$mode" = prepare ]; then
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
         pycocotools segmentation-models-pytorch jsonargparse docstring-parser typeshed-client torchdata
 fi
-if [ "$mode" != check ] && [ "$mode" != bench ] && [ "$mode" != all ] && [ "$mode" != focus ]; then
-    echo "usage: $0 prepare | check | bench [BUDGET_SECONDS] | all [TOTAL_SECONDS] | focus [TOTAL_SECONDS]" >&2
+if [ "$mode" != check ] && [ "$mode" != bench ] && [ "$mode" != all ] && [ "$mode" != focus ] && [ "$mode" != attn ]; then
+    echo "usage: $0 prepare | check | bench [BUDGET_SECONDS] | all [TOTAL_SECONDS] | focus [TOTAL_SECONDS] | attn [TOTAL_SECONDS]" >&2
     exit 2
 fi
 
@@ -83,6 +87,25 @@ cat "$out/env.txt"
 if [ "$mode" = check ]; then
     step gpu_check timeout 420 python3 benchmarks/gpu_check.py --device cuda --compile-only swin_tiny --out "$out/gpu_check.json"
     step attention_kernels timeout 120 python3 benchmarks/attention_kernels.py --device cuda --dtype bf16
+elif [ "$mode" = attn ]; then
+    total=${2:-540}
+    step attn timeout 100 python3 benchmarks/triton_attention_check.py --device cuda
+    step split bash -c 'rc=0
+        for c in "80 benchmarks/host_split.py --device cuda --case swin --contenders vtdense vtdense_triton-attn vtdense_unfused timm_fused" \
+                 "110 benchmarks/host_split.py --device cuda --case maskrcnn --contenders vtdense vtdense_triton-attn torchvision"; do
+            set -- $c; t=$1; shift; echo "== $*"; timeout "$t" python3 "$@" || rc=$?
+        done; exit $rc'
+    rows='^Swin-T train step, batch 8 at 512x768, bf16$|^SwinV2-T train step, batch 8 at 512x768, bf16$|published heads train step \(AdamW\), batch 2 at 800x1333, bf16$'
+    step bench timeout 150 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 110
+    cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
+    left=$((total - SECONDS - 10))
+    if [ $left -ge 60 ]; then
+        # Swin-T compiled (Inductor, bf16): three sizes in whole 32-pixel cells (one graph), then one that is not.
+        step cells timeout $left python3 benchmarks/compile_train_sizes.py --device cuda --full --families swin \
+            --backend inductor --sizes 512x768 640x800 480x736 500x750
+    else
+        echo "== cells: left out, $left s of the $total s remain"
+    fi
 elif [ "$mode" = focus ]; then
     total=${2:-480}
     rows='^Swin-T inference, batch 64|^Swin-T train step, batch 8 at 512x768, bf16$|^MViTv2-T inference, batch 64|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
