@@ -21,7 +21,9 @@ Contender names:
   CPU's form, instead of the saved-tensor hooks of :mod:`vtdense.layers.recompute` off the CPU), ``vtdense
   triton-train`` (CUDA bf16 training with :func:`vtdense.layers.fused_norm_train.set_triton_norm_training` on),
   ``vtdense triton-attn`` (CUDA training with Swin's attention in the Triton kernels of
-  :mod:`vtdense.layers.triton_window_attention`),
+  :mod:`vtdense.layers.triton_window_attention` for every dtype, float32 included; the default,
+  ``"auto"``, runs them for bf16 and fp16), ``vtdense sdpa-attn`` (off: SDPA's memory-efficient kernel
+  with an additive term, the default before 2026-11-27),
   ``vtdense rc-all`` (training's recomputation in every layer, ``min_bytes=0``, where the default
   recomputes only layers whose activation has at least 8 MiB off the CPU), ``vtdense torchvision-heads`` (a detector with torchvision's own R-CNN heads' classes put back and
   no anchors kept across steps, ``host_syncs.torchvision_heads``: what the host-wait changes save, timed);
@@ -104,7 +106,7 @@ def build_model(contender: str, case: dict[str, Any]) -> torch.nn.Module:
     family = case["family"]
     base = contender
     for suffix in (" compiled", " ckpt", " unchunked", " bias", " blas", " unfused", " triton-norm", " aten-norm", " fn-recompute",
-                   " triton-train", " triton-attn", " torchvision-heads", " rc-all"):
+                   " triton-train", " triton-attn", " sdpa-attn", " torchvision-heads", " rc-all"):
         base = base.replace(suffix, "")
     if family in ("maskrcnn_demo", "maskrcnn"):
         from vtdense.models.detection import build_detector
@@ -231,6 +233,12 @@ def _triton_attn() -> contextlib.AbstractContextManager:
     return triton_window_attention(True)
 
 
+def _sdpa_attn() -> contextlib.AbstractContextManager:
+    from vtdense.layers.triton_window_attention import triton_window_attention
+
+    return triton_window_attention(False)
+
+
 def _aten_norm() -> contextlib.AbstractContextManager:
     from vtdense.layers.fused_norm import triton_norm
 
@@ -260,7 +268,7 @@ def _recompute_all() -> contextlib.AbstractContextManager:
 #: contender suffix -> the process-wide setting its steps run under
 _SETTINGS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
     " blas": _blas, " triton-norm": _triton_norm, " aten-norm": _aten_norm, " triton-train": _triton_train,
-    " triton-attn": _triton_attn, " unfused": unfused, " fn-recompute": _fn_recompute,
+    " triton-attn": _triton_attn, " sdpa-attn": _sdpa_attn, " unfused": unfused, " fn-recompute": _fn_recompute,
     " rc-all": _recompute_all}
 
 

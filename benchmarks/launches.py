@@ -363,7 +363,8 @@ def _(qkv: torch.Tensor, heads: int, block: int) -> tuple[torch.Tensor, torch.Te
 
 class _TritonAttn(torch.nn.Module):
     """``model`` with Swin's training attention in :mod:`vtdense.layers.triton_window_attention`'s
-    kernels (the ``vtdense triton-attn`` rows). Fake tensors cannot launch a Triton kernel, so the
+    kernels (the default of bf16 training on a GPU: the training rows' ``vtdense``; ``vtdense sdpa-attn``
+    is the model as fake tensors run it, SDPA's path). Fake tensors cannot launch a Triton kernel, so the
     forward kernel is counted as one call of a stand-in op that makes its outputs; everything around
     it, what autograd saves included, is the real code's."""
 
@@ -419,20 +420,20 @@ CASES: list[tuple[str, bool, int, tuple[int, int], dict[str, Callable[[], torch.
         "vtdense triton-norm": lambda: _TritonNorm(_vtdense("mvitv2_tiny")),
         "timm": lambda: _timm("mvitv2_tiny", (224, 224))}),
     ("Swin-T training forward, batch 8 at 512x768", True, 8, (512, 768), {
-        "vtdense": lambda: _vtdense("swin_tiny"),
-        "vtdense triton-attn": lambda: _TritonAttn(_vtdense("swin_tiny")),
+        "vtdense": lambda: _TritonAttn(_vtdense("swin_tiny")),
+        "vtdense sdpa-attn": lambda: _vtdense("swin_tiny"),
         "timm": lambda: _timm("swin_tiny_patch4_window7_224", (512, 768)),
         "timm fused": lambda: _timm("swin_tiny_patch4_window7_224", (512, 768), fused=True)}),
     ("SwinV2-T training forward, batch 8 at 512x768", True, 8, (512, 768), {
-        "vtdense": lambda: _vtdense("swinv2_tiny"),
-        "vtdense triton-attn": lambda: _TritonAttn(_vtdense("swinv2_tiny")),
+        "vtdense": lambda: _TritonAttn(_vtdense("swinv2_tiny")),
+        "vtdense sdpa-attn": lambda: _vtdense("swinv2_tiny"),
         "timm": lambda: _timm("swinv2_tiny_window8_256", (512, 768))}),
     ("MViTv2-T training forward, batch 8 at 512x768", True, 8, (512, 768), {
         "vtdense": lambda: _vtdense("mvitv2_tiny"),
         "vtdense windows 56": lambda: _vtdense("mvitv2_tiny", window_size=56)}),
     ("Mask R-CNN backbone + FPN training forward (drop path 0.2), batch 2 at 800x1344", True, 2, (800, 1344), {
-        "vtdense": _detector_fpn,
-        "vtdense triton-attn": lambda: _TritonAttn(_detector_fpn()),
+        "vtdense": lambda: _TritonAttn(_detector_fpn()),
+        "vtdense sdpa-attn": _detector_fpn,
         "torchvision R50-FPN v2": _torchvision_fpn}),
 ]
 

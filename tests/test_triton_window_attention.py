@@ -161,13 +161,19 @@ def test_a_swin_trains_through_the_kernels_in_tritons_interpreter(name: str) -> 
         assert r["out"] <= 1e-3 and r["grad"] <= 1e-3, r
 
 
-def test_off_by_default_and_only_where_the_kernels_fit() -> None:
+def test_auto_by_default_and_only_where_the_kernels_fit() -> None:
     x = torch.randn(2, 3, 49, 64, requires_grad=True)
-    assert not twa.triton_window_attention_enabled()
+    assert twa.triton_window_attention_enabled() == "auto"
+    assert twa.takes_dtype(torch.bfloat16) and twa.takes_dtype(torch.float16) and not twa.takes_dtype(torch.float32)
+    assert not twa.triton_window_attention_applies(x, 49, 32, 0.0)  # a CPU tensor, no interpreter
     with twa.triton_window_attention(True):
-        assert twa.triton_window_attention_enabled()
-        assert not twa.triton_window_attention_applies(x, 49, 32, 0.0)  # a CPU tensor, no interpreter
-    assert not twa.triton_window_attention_enabled()
+        assert twa.triton_window_attention_enabled() is True and twa.takes_dtype(torch.float32)
+        assert not twa.triton_window_attention_applies(x, 49, 32, 0.0)
+    with twa.triton_window_attention(False):
+        assert not twa.triton_window_attention_enabled()
+    assert twa.triton_window_attention_enabled() == "auto"
+    with pytest.raises(ValueError, match="set_triton_window_attention takes True, False or 'auto'; got 'on'"):
+        twa.set_triton_window_attention("on")
 
 
 @pytest.mark.parametrize("tokens,width,dropout,grad,applies", [
@@ -215,12 +221,13 @@ def test_the_kernels_compile_for_hopper(kernel: str, dtype: str, masked: bool, c
     signature.update({k: "constexpr" for k in ("D", "BLOCK_N", "HAS_MASK", "PREC", "NEED_DBIAS", "UPCAST", "COSINE")
                       if k in consts})
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if kernel == "forward" else 8})
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": 4 if kernel == "forward" else twa._BACKWARD_WARPS})
     assert ".target sm_90" in compiled.asm["ptx"] and len(compiled.asm["cubin"]) > 1000
 
 
-def test_the_benchmarks_triton_attn_contender_switches_the_kernels_on() -> None:
-    """``benchmarks/run.py``'s ``vtdense triton-attn`` rows: vtdense's model, run with the kernels on."""
+def test_the_benchmarks_attention_contenders_switch_the_kernels() -> None:
+    """``benchmarks/run.py``'s ``vtdense triton-attn`` / ``sdpa-attn`` rows: vtdense's model, run with
+    the kernels on for every dtype / off."""
     import sys
 
     from triton_interpreter import ROOT
@@ -232,9 +239,12 @@ def test_the_benchmarks_triton_attn_contender_switches_the_kernels_on() -> None:
 
     case = dict(family="swin_t", mode="train", batch=1, size=[64, 64], dtype="bf16")
     assert isinstance(build_model("vtdense triton-attn", case), SwinTransformer)
+    assert isinstance(build_model("vtdense sdpa-attn", case), SwinTransformer)
     with _SETTINGS[" triton-attn"]():
-        assert twa.triton_window_attention_enabled()
-    assert not twa.triton_window_attention_enabled()
+        assert twa.triton_window_attention_enabled() is True
+    with _SETTINGS[" sdpa-attn"]():
+        assert twa.triton_window_attention_enabled() is False
+    assert twa.triton_window_attention_enabled() == "auto"
 
 
 @pytest.mark.skipif(tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 11),

@@ -235,7 +235,7 @@ class WindowAttention(nn.Module):
             qkv = norm_linear(x, norm, self.qkv)
         else:
             qkv = apply_linear(self.qkv, x)
-        if triton_attn and qkv.requires_grad and qkv.dtype in triton_attention.DTYPES:
+        if triton_attn and qkv.requires_grad and triton_attention.takes_dtype(qkv.dtype):
             scale, logit = (1.0, self.logit_scale) if self.cosine else ((C // h) ** -0.5, None)
             out = triton_attention.window_attention(qkv, self.position_bias(window), mask, scale, h, logit,
                                                     _logit_scale_max())
