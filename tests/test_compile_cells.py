@@ -109,3 +109,29 @@ def test_size_divisible_is_checked() -> None:
     for bad in (0, -32, 2.5, True):
         with pytest.raises(ValueError, match="size_divisible"):
             compile_backbone(model, "eager", size_divisible=bad)
+
+
+@pytest.mark.parametrize("backend,kwargs,options", [
+    ("inductor", {}, {"triton.mix_order_reduction_non_strict_mode": True}),
+    ("inductor", {"mode": "reduce-overhead"}, {"triton.mix_order_reduction_non_strict_mode": True, "triton.cudagraphs": True}),
+    ("inductor", {"options": {"triton.mix_order_reduction_non_strict_mode": False}},
+     {"triton.mix_order_reduction_non_strict_mode": False}),
+    ("inductor", {"dynamic": False}, None),
+    ("aot_eager", {}, None)])
+def test_inductor_graphs_leave_out_the_gpu_fusions_size_thresholds(monkeypatch: pytest.MonkeyPatch, backend: str,
+                                                                     kwargs: dict, options: dict | None) -> None:
+    """Both dynamic Inductor graphs are compiled without the size checks of the GPU's LayerNorm-backward
+    fusion, each of which guarded the graph on the size (a second compile on an H200 at the next size);
+    a ``mode`` is folded into the options, and the caller's own options win."""
+    seen: list[dict] = []
+    real = torch.compile
+
+    def record(fn: object = None, **kw: object) -> object:
+        seen.append(kw)
+        return real(fn, **{**kw, "backend": "eager"})
+
+    monkeypatch.setattr(torch, "compile", record)
+    compile_backbone(vtdense.create_backbone("swin_tiny", **SWIN), backend, **kwargs)
+    assert len(seen) == (1 if kwargs.get("dynamic") is False else 2)  # the any-size graph, the cells graph
+    for kw in seen:
+        assert kw.get("options") == options and "mode" not in kw

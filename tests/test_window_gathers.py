@@ -38,6 +38,12 @@ def test_backward_gathers_equal_autograds_scatter_adds(H: int, W: int, window: t
     ref = torch.autograd.grad(x.index_select(1, gather), x, gw)[0]
     got = torch.autograd.grad(windows._TokensToWindows.apply(x, gather, scatter), x, gw)[0]
     assert torch.equal(got, ref)
+    # the same straight into (B, nW, N, C) windows, as Swin's blocks ask for them (not a view)
+    n = window[0] * window[1]
+    out = windows._TokensToWindows.apply(x, gather, scatter, n)
+    assert out.shape == (2, gather.numel() // n, n, 3) and out._base is None
+    assert torch.equal(out.flatten(1, 2), x.index_select(1, gather))
+    assert torch.equal(torch.autograd.grad(out, x, gw.view(out.shape))[0], ref)
 
 
 @pytest.mark.parametrize("post_norm", [False, True], ids=["v1", "v2"])
@@ -78,11 +84,17 @@ def test_compiled_swin_training_backward_has_no_token_scatter_adds() -> None:
     import vtdense
 
     ops: dict[str, list[str]] = {}
+    saved_views: list[str] = []
 
     def backend(gm, inputs):  # noqa: ANN001, ANN202
         def keep(name: str):  # noqa: ANN202
             def compiler(g, _):  # noqa: ANN001, ANN202
                 ops[name] = [str(n.target) for n in g.graph.nodes if n.op == "call_function"]
+                if name == "fw":  # outputs (saved for the backward) that are views of a gather
+                    (out,) = [n for n in g.graph.nodes if n.op == "output"]
+                    saved_views.extend(str(n) for n in out.args[0] if isinstance(n, torch.fx.Node)
+                                       and "view" in str(n.target) and isinstance(n.args[0], torch.fx.Node)
+                                       and "index" in str(n.args[0].target))
                 return g.forward
             return compiler
         return aot_module_simplified(gm, inputs, fw_compiler=keep("fw"), bw_compiler=keep("bw"))
@@ -94,4 +106,9 @@ def test_compiled_swin_training_backward_has_no_token_scatter_adds() -> None:
     sum(f.square().mean() for f in torch.compile(model, backend=backend)(x).values()).backward()
     blocks = 8
     assert ops["bw"].count("aten.index_add.default") == blocks, ops["bw"].count("aten.index_add.default")
-    assert ops["fw"].count("aten.index_select.default") >= 3 * blocks
+    # Inductor sorts a saved view's symbolic strides with sympy alone, which failed on Swin's windows
+    # at batch 2 in compile_backbone's cells graph: the partition writes the windows itself
+    assert not saved_views, saved_views
+    # per block: the partition (one gather straight into windows), the reverse, the position table
+    assert ops["fw"].count("aten.index.Tensor") >= blocks
+    assert ops["fw"].count("aten.index_select.default") + ops["fw"].count("aten.index.Tensor") >= 3 * blocks

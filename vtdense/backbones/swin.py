@@ -385,7 +385,7 @@ class SwinBlock(nn.Module):
         window, shift = effective_window((H, W), self.window_size, self.shift_size)
         gather, scatter = window_token_index(H, W, window, shift, x.device)
         mask = window_attention_mask(H, W, window, shift, x.device)
-        windows = tokens_to_windows(x.reshape(B, H * W, C), gather, scatter).view(B, -1, window[0] * window[1], C)
+        windows = tokens_to_windows(x.reshape(B, H * W, C), gather, scatter, window[0] * window[1])
         return windows, window, mask, (gather, scatter)
 
     def _window_attention(self, x: Tensor, norm: nn.Module | None = None) -> Tensor:

@@ -366,17 +366,25 @@ def select_tokens(x: Tensor, index: Tensor) -> Tensor:
 class _TokensToWindows(torch.autograd.Function):
     """``select_tokens(x, gather)``; backward ``select_tokens(grad, scatter)``. Exact because the
     windows' padded slots (copies of token 0) get no gradient: they are masked as keys, so their
-    attention weights are 0, and their outputs are dropped by :class:`_WindowsToTokens`."""
+    attention weights are 0, and their outputs are dropped by :class:`_WindowsToTokens`.
+
+    Given ``tokens`` (per window), the gather writes ``(B, nW, tokens, C)`` itself, not a view of
+    ``(B, nW * tokens, C)``: the windows are saved for the backward, and Inductor lays out a saved
+    view by sorting its symbolic strides with sympy alone (``get_stride_order`` without the shape
+    environment), which could not order Swin's ``(nW * N * C, N * C, C, 1)`` at batch 2 ("cannot
+    determine truth value of Relational"); a tensor of its own keeps its exact strides."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, gather: Tensor, scatter: Tensor) -> Tensor:
+    def forward(ctx: Any, x: Tensor, gather: Tensor, scatter: Tensor, tokens: int | None = None) -> Tensor:
         ctx.save_for_backward(scatter)
-        return select_tokens(x, gather)
+        if tokens is None:
+            return select_tokens(x, gather)
+        return x[:, gather.view(-1, tokens)]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         (scatter,) = ctx.saved_tensors
-        return select_tokens(grad, scatter), None, None
+        return select_tokens(grad.flatten(1, 2) if grad.dim() == 4 else grad, scatter), None, None, None
 
 
 class _WindowsToTokens(torch.autograd.Function):
@@ -399,13 +407,15 @@ def _own_backward(x: Tensor) -> bool:
     return torch.compiler.is_compiling() and not exporting() and torch.is_grad_enabled() and x.requires_grad
 
 
-def tokens_to_windows(x: Tensor, gather: Tensor, scatter: Tensor) -> Tensor:
+def tokens_to_windows(x: Tensor, gather: Tensor, scatter: Tensor, tokens: int | None = None) -> Tensor:
     """``(B, H * W, C)`` tokens -> ``(B, nW * N, C)`` windowed sequence with the index pair of
-    :func:`window_token_index` (:func:`select_tokens` with ``gather``). Inside ``torch.compile``
-    (not export) its backward is a gather with ``scatter`` instead of autograd's scatter-add."""
+    :func:`window_token_index` (:func:`select_tokens` with ``gather``); given ``tokens`` (``N``, the
+    tokens per window), ``(B, nW, N, C)``. Inside ``torch.compile`` (not export) its backward is a
+    gather with ``scatter`` instead of autograd's scatter-add."""
     if _own_backward(x):
-        return _TokensToWindows.apply(x, gather, scatter)
-    return select_tokens(x, gather)
+        return _TokensToWindows.apply(x, gather, scatter, tokens)
+    out = select_tokens(x, gather)
+    return out if tokens is None else out.view(x.shape[0], -1, tokens, x.shape[2])
 
 
 def windows_to_tokens(w: Tensor, gather: Tensor, scatter: Tensor) -> Tensor:

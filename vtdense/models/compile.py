@@ -128,6 +128,8 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
             "or turn grad_checkpointing off"
         )
     kwargs.setdefault("dynamic", True)
+    if name == "inductor" and kwargs["dynamic"] is not False:
+        kwargs = _without_size_thresholds(kwargs)
     part.compile(backend=name, **kwargs)
     config = dict(specialize_float=True)
     if name == "eager":
@@ -140,6 +142,37 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
         part._compiled_call_impl = any_size
     part._vtdense_compiled = name  # what is_compiled reports
     return part
+
+
+#: Inductor settings whose size thresholds would add guards to a dynamic graph: its GPU code generator
+#: fuses a LayerNorm backward's two reductions (rows and columns, "mix-order reduction") only above
+#: 5 Mi elements and 4096 rows, and each such check guards the graph on the size; a size across the
+#: threshold then compiles the whole training step again (seen on an H200: Swin-T at batch 2,
+#: 512x768 then 640x800, 159 and 162 s). Without those checks it fuses at every size.
+_SIZE_FREE_INDUCTOR = {"triton.mix_order_reduction_non_strict_mode": True}
+
+
+def _without_size_thresholds(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` keyword arguments with :data:`_SIZE_FREE_INDUCTOR` added to Inductor's
+    ``options`` (where this torch has them; a ``mode`` is folded into the options, as torch.compile
+    takes one or the other). Settings the caller gave win."""
+    from torch._inductor import config as inductor_config
+
+    ours = {k: v for k, v in _SIZE_FREE_INDUCTOR.items() if _has_setting(inductor_config, k)}
+    mode = kwargs.get("mode")
+    if not ours or (mode is not None and (kwargs.get("options") or mode not in torch._inductor.list_mode_options())):
+        return kwargs  # (both, or a mode torch does not know: torch.compile's own error says so)
+    kwargs = dict(kwargs)
+    kwargs.pop("mode", None)
+    kwargs["options"] = {**ours, **torch._inductor.list_mode_options(mode or "default", kwargs["dynamic"]),
+                         **(kwargs.get("options") or {})}
+    return kwargs
+
+
+def _has_setting(config: Any, dotted: str) -> bool:
+    """Whether Inductor's ``config`` has the setting ``dotted`` (``"triton.cudagraphs"``)."""
+    head, _, rest = dotted.partition(".")
+    return hasattr(config, head) and (not rest or _has_setting(getattr(config, head), rest))
 
 
 def _size_unit(part: nn.Module, size_divisible: int | None) -> int:
