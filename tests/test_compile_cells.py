@@ -135,3 +135,18 @@ def test_inductor_graphs_leave_out_the_gpu_fusions_size_thresholds(monkeypatch: 
     assert len(seen) == (1 if kwargs.get("dynamic") is False else 2)  # the any-size graph, the cells graph
     for kw in seen:
         assert kw.get("options") == options and "mode" not in kw
+
+
+def test_a_square_first_size_makes_no_graph_for_squares_only() -> None:
+    """Both graphs are traced without duck shaping: a square first image (height and width one
+    symbol, guarded equal) made the any-size graph square-only, and the next image compiled again."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    compiled = compile_backbone(vtdense.create_backbone("swin_tiny", **SWIN), "eager")
+    graphs = []
+    with torch.no_grad():
+        for size in [(170, 170), (230, 170), (192, 192), (192, 256)]:
+            compiled(torch.randn(2, 3, *size))
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [1, 1, 2, 2]  # the any-size graph, then the cells graph

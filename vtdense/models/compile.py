@@ -136,7 +136,7 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
         config["optimize_ddp"] = False
     any_size = _traced_with(part._compiled_call_impl, **config)
     if unit > 1 and kwargs["dynamic"] is not False:
-        in_cells = _traced_with(torch.compile(_cells_forward(part), backend=name, **kwargs), duck_shape=False, **config)
+        in_cells = _traced_with(torch.compile(_cells_forward(part), backend=name, **kwargs), **config)
         part._compiled_call_impl = _by_size(any_size, in_cells, unit)
     else:
         part._compiled_call_impl = any_size
@@ -201,8 +201,7 @@ def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], An
     The cells are a copy, not a view: Dynamo traces a view input together with its base, whose
     sizes become symbols of their own, and the graph then has to relate ``H`` to ``h`` again (one
     copy of the input, small beside the backbone's own traffic). The two ``unit`` dimensions are marked
-    static so that ``dynamic=True`` keeps them literal. ``in_cells`` is traced without duck shaping
-    (:func:`_traced_with`)."""
+    static so that ``dynamic=True`` keeps them literal."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
@@ -233,7 +232,7 @@ def _random_in_checkpointed_blocks(part: nn.Module) -> bool:
     return checkpointed and any(isinstance(m, (DropPath, nn.Dropout)) and m.p > 0 for m in modules)
 
 
-def _traced_with(compiled: Callable[..., Any], duck_shape: bool = True, **config: Any) -> Callable[..., Any]:
+def _traced_with(compiled: Callable[..., Any], **config: Any) -> Callable[..., Any]:
     """``compiled``, traced under Dynamo's ``config`` (scoped to this module's calls; 20-40 us a call on the CPU).
 
     - ``specialize_float=True``: with ``dynamic=True`` Dynamo makes every Python float it reads a
@@ -249,17 +248,18 @@ def _traced_with(compiled: Callable[..., Any], duck_shape: bool = True, **config
       the pieces on fake tensors without the Python dispatcher, fails on ``F.interpolate`` with
       symbolic sizes (the FPN's top-down path): "SymIntArrayRef expected to contain only concrete
       integers".
-    - ``duck_shape=False`` (the cells graph): Dynamo gives sizes of equal value one symbol. Cell
-      counts are small numbers that often equal the batch or the 3 channels; the backbone's channel
-      check then fixed a width of 3 cells at 3, and the next width compiled again.
+
+    Both graphs are also traced without duck shaping (``use_duck_shape=False``): Dynamo otherwise
+    gives sizes of equal value one symbol and guards on the equality. A square first image then
+    made a graph for square images only, and the next image compiled again; in the cells graph,
+    whose cell counts are small numbers that often equal the batch or the 3 channels, the backbone's
+    channel check fixed a width of 3 cells at 3.
     """
     from torch.fx.experimental import _config as shape_config
 
-    shapes = {} if duck_shape else {"use_duck_shape": False}
-
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(**config), shape_config.patch(**shapes):
+        with torch._dynamo.config.patch(**config), shape_config.patch(use_duck_shape=False):
             return compiled(*args, **kwargs)
 
     return call
