@@ -13,6 +13,10 @@
 #                                                   # (`triton-attn`, never timed before): its check and backward sweep,
 #                                                   # host_split and the training rows with it, then compile_backbone's
 #                                                   # cells graph against the any-size graph on the GPU (Swin-T)
+#   bash benchmarks/gpu_session.sh verify [TOTAL]   # one call (default 540 s) after the fifth H200 session: the trailing
+#                                                   # training rows with the Triton attention default (TF32 detector row
+#                                                   # included), then compile_backbone's Swin-T training at three sizes in
+#                                                   # whole cells with recompile reasons logged (expected: one graph)
 #   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 480 s): the Triton LayerNorm and
 #                                                   # recomputation checks, the rows where vtdense trailed
 #                                                   # (with their switches' contenders), then the compiled
@@ -55,8 +59,9 @@ if [ "$mode" = prepare ]; then
         --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
         pycocotools segmentation-models-pytorch jsonargparse docstring-parser typeshed-client torchdata
 fi
-if [ "$mode" != check ] && [ "$mode" != bench ] && [ "$mode" != all ] && [ "$mode" != focus ] && [ "$mode" != attn ]; then
-    echo "usage: $0 prepare | check | bench [BUDGET_SECONDS] | all [TOTAL_SECONDS] | focus [TOTAL_SECONDS] | attn [TOTAL_SECONDS]" >&2
+if [ "$mode" != check ] && [ "$mode" != bench ] && [ "$mode" != all ] && [ "$mode" != focus ] && [ "$mode" != attn ] \
+    && [ "$mode" != verify ]; then
+    echo "usage: $0 prepare | check | bench [BUDGET_SECONDS] | all [TOTAL_SECONDS] | focus [TOTAL_SECONDS] | attn [TOTAL_SECONDS] | verify [TOTAL_SECONDS]" >&2
     exit 2
 fi
 
@@ -87,6 +92,18 @@ cat "$out/env.txt"
 if [ "$mode" = check ]; then
     step gpu_check timeout 420 python3 benchmarks/gpu_check.py --device cuda --compile-only swin_tiny --out "$out/gpu_check.json"
     step attention_kernels timeout 120 python3 benchmarks/attention_kernels.py --device cuda --dtype bf16
+elif [ "$mode" = verify ]; then
+    total=${2:-540}
+    rows='^Swin-T train step, batch 8 at 512x768, bf16$|^SwinV2-T train step, batch 8 at 512x768, bf16$|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
+    step bench timeout 170 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 120
+    cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
+    left=$((total - SECONDS - 10))
+    if [ $left -ge 60 ]; then
+        step cells env TORCH_LOGS=recompiles timeout $left python3 benchmarks/compile_train_sizes.py --device cuda --full \
+            --families swin --backend inductor --sizes 512x768 640x800 480x736
+    else
+        echo "== cells: left out, $left s of the $total s remain"
+    fi
 elif [ "$mode" = attn ]; then
     total=${2:-540}
     step attn timeout 100 python3 benchmarks/triton_attention_check.py --device cuda
