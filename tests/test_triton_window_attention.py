@@ -327,3 +327,28 @@ def test_a_kernel_that_fails_is_said_once_and_the_sdpa_path_runs(monkeypatch: py
     assert len(said) == 1 and "RuntimeError: PTX JIT compilation failed" in str(said[0].message)
     assert tries == [1] and twa._failed is not None
     assert all(torch.equal(out[k], ref[k]) for k in ref)
+
+
+def test_kernels_launch_on_their_tensors_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton launches on the current CUDA device: a model on ``cuda:1`` in a process whose current
+    device is 0 gets its kernels launched under ``torch.cuda.device(1)``, and nothing is switched
+    where the devices agree or the tensor is not on a GPU."""
+    import contextlib
+    import types
+
+    from vtdense.layers.fused_norm import launch_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    on_1 = types.SimpleNamespace(device=torch.device("cuda", 1))
+    switch = launch_device(on_1)  # type: ignore[arg-type]
+    assert isinstance(switch, torch.cuda.device) and switch.idx == 1
+    assert isinstance(launch_device(types.SimpleNamespace(device=torch.device("cuda", 0))), contextlib.nullcontext)  # type: ignore[arg-type]
+    assert isinstance(launch_device(torch.zeros(1)), contextlib.nullcontext)
+    # every launch site goes through it
+    import inspect
+
+    from vtdense.layers import fused_norm, fused_norm_train
+
+    for source in (inspect.getsource(fused_norm._run), inspect.getsource(fused_norm_train),
+                   inspect.getsource(twa._launch_forward), inspect.getsource(twa._WindowAttention.backward)):
+        assert "launch_device(" in source

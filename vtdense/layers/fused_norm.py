@@ -160,9 +160,10 @@ def _run(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, stat
     if M:
         block = next_pow2(C)
         rows = max(1, min(64, 4096 // block))
-        kernel[(cdiv(M, rows),)](x2, weight, bias, y, mean, rstd, M, C, x2.stride(0), eps, BLOCK_C=block, ROWS=rows,
-                                 HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats,
-                                 OUT_BF16=out_dtype == torch.bfloat16, num_warps=8 if block >= 2048 else 4)
+        with launch_device(x2):
+            kernel[(cdiv(M, rows),)](x2, weight, bias, y, mean, rstd, M, C, x2.stride(0), eps, BLOCK_C=block, ROWS=rows,
+                                     HAS_W=weight is not None, HAS_B=bias is not None, STATS=stats,
+                                     OUT_BF16=out_dtype == torch.bfloat16, num_warps=8 if block >= 2048 else 4)
     return y.view(x.shape), mean, rstd
 
 
@@ -221,6 +222,16 @@ def _guarded(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, 
         warnings.warn(f"vtdense: the Triton LayerNorm failed on this machine ({_failed}); PyTorch's "
                       "LayerNorm runs instead from now on (vtdense.layers.fused_norm)", RuntimeWarning, stacklevel=3)
         return None
+
+
+def launch_device(t: Tensor) -> contextlib.AbstractContextManager[Any]:
+    """Where a Triton kernel reading ``t`` must be launched from: Triton launches on the *current*
+    CUDA device and its stream, whatever device the tensors are on, so a model moved to ``cuda:1``
+    in a process whose current device is 0 would have its kernels run on GPU 0 with GPU 1's
+    pointers. ``torch.cuda.device(t.device)`` where the two differ, else nothing to do."""
+    if t.device.type == "cuda" and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def failure_text(err: BaseException) -> str:

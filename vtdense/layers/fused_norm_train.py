@@ -108,9 +108,10 @@ def _norm_backward(grad_a: Tensor, x: Tensor, norm_w: Tensor | None, mean: Tenso
     dw = torch.empty(programs, C, dtype=torch.float32, device=x.device) if need[1] else None
     db = torch.empty(programs, C, dtype=torch.float32, device=x.device) if need[2] else None
     if M:
-        kernel[(programs,)](grad_a, x2, norm_w, mean, rstd, dx, dw, db, M, C, BLOCK_C=block, ROWS=rows,
-                            HAS_W=norm_w is not None, NEED_DX=need[0], NEED_DW=need[1], NEED_DB=need[2],
-                            DX_BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 2048 else 4)
+        with fused_norm.launch_device(x2):
+            kernel[(programs,)](grad_a, x2, norm_w, mean, rstd, dx, dw, db, M, C, BLOCK_C=block, ROWS=rows,
+                                HAS_W=norm_w is not None, NEED_DX=need[0], NEED_DW=need[1], NEED_DB=need[2],
+                                DX_BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 2048 else 4)
     grad_x = dx.view(x.shape) if dx is not None else None
     grad_w = dw.sum(0).to(norm_w.dtype) if dw is not None else None  # type: ignore[union-attr]
     grad_b = db.sum(0) if db is not None else None

@@ -294,9 +294,10 @@ def _launch_forward(qkv: Tensor, bias: Tensor, masks: Tensor | None, scale: floa
     out = qkv.new_empty((B, nW, N, C))
     lse = torch.empty((B * nW, heads, block), dtype=torch.float32, device=qkv.device)
     if out.numel():
-        fwd[(B * nW, heads)](qkv, bias, masks, out, lse, logit, nW, N, heads, scale, mask_value(), logit_max,
-                             D=C // heads, BLOCK_N=block, HAS_MASK=masks is not None, PREC=_precision(qkv),
-                             UPCAST=_upcast(qkv), COSINE=logit is not None, num_warps=4)
+        with fused_norm.launch_device(qkv):
+            fwd[(B * nW, heads)](qkv, bias, masks, out, lse, logit, nW, N, heads, scale, mask_value(), logit_max,
+                                 D=C // heads, BLOCK_N=block, HAS_MASK=masks is not None, PREC=_precision(qkv),
+                                 UPCAST=_upcast(qkv), COSINE=logit is not None, num_warps=4)
     return out, lse
 
 
@@ -333,11 +334,12 @@ class _WindowAttention(torch.autograd.Function):
         parts = torch.empty((heads, chunks, block, block) if need_bias else (1,), dtype=torch.float32, device=qkv.device)
         logit_parts = torch.zeros((heads, chunks), dtype=torch.float32, device=qkv.device) if logit is not None else None
         if chunks:
-            bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, logit, logit_parts, BW, nW, N, heads,
-                                 ctx.scale, mask_value(), ctx.logit_max, per, D=C3 // 3 // heads, BLOCK_N=block,
-                                 HAS_MASK=masks is not None, PREC=_precision(qkv), NEED_DBIAS=need_bias,
-                                 UPCAST=_upcast(qkv), COSINE=logit is not None,
-                                 num_warps=_BACKWARD_WARPS)  # (five 64x64 float32 tiles live at once)
+            with fused_norm.launch_device(qkv):
+                bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, logit, logit_parts, BW, nW, N,
+                                     heads, ctx.scale, mask_value(), ctx.logit_max, per, D=C3 // 3 // heads,
+                                     BLOCK_N=block, HAS_MASK=masks is not None, PREC=_precision(qkv),
+                                     NEED_DBIAS=need_bias, UPCAST=_upcast(qkv), COSINE=logit is not None,
+                                     num_warps=_BACKWARD_WARPS)
         grad_bias = grad_logit = None
         if need_bias:
             grad_bias = (parts.sum(1)[:, :N, :N] if chunks else parts.new_zeros((heads, N, N))).to(bias.dtype)
