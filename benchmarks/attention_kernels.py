@@ -6,6 +6,8 @@ A backbone's forward (inference) and its forward plus backward (training step) r
 - fused: ``_scaled_dot_product_efficient_attention``, ``_scaled_dot_product_flash_attention``,
   ``_scaled_dot_product_cudnn_attention``, ``_flash_attention_forward``,
   ``_scaled_dot_product_flash_attention_for_cpu``, FlexAttention's kernels, and their backwards;
+  and vtdense's Triton window attention of Swin's training on a GPU (the profiler labels
+  ``vtdense::triton_window_attention`` and its ``_backward``);
 - math fallback: ``_scaled_dot_product_attention_math`` (SDPA's unfused path);
 - CPU batched matmuls: ``vtdense::window_attention_bmm``, the profiler label of vtdense's fp32 CPU
   inference path for window attention (``baddbmm`` + softmax + ``bmm`` per image, faster than
@@ -35,6 +37,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from vtdense.layers.attention import BMM_LABEL  # noqa: E402
+from vtdense.layers.triton_window_attention import LABEL as TRITON_LABEL  # noqa: E402
 
 FUSED = ("efficient_attention", "flash_attention", "cudnn_attention", "flex_attention", "fused_attention")
 MATH = ("_scaled_dot_product_attention_math",)
@@ -47,6 +50,8 @@ def classify(name: str) -> str | None:
     """``"math"``, ``"fused"``, ``"cpu-bmm"`` or ``None`` (not an attention kernel) for an op name."""
     if name == BMM_LABEL:
         return "cpu-bmm"
+    if name in (TRITON_LABEL, TRITON_LABEL + "_backward"):
+        return "fused"
     if any(m in name for m in MATH):
         return "math"
     if name.startswith("aten::") and any(f in name for f in FUSED):

@@ -352,3 +352,21 @@ def test_kernels_launch_on_their_tensors_device(monkeypatch: pytest.MonkeyPatch)
     for source in (inspect.getsource(fused_norm._run), inspect.getsource(fused_norm_train),
                    inspect.getsource(twa._launch_forward), inspect.getsource(twa._WindowAttention.backward)):
         assert "launch_device(" in source
+
+
+def test_the_profiler_counts_the_kernels_as_fused_attention() -> None:
+    """``benchmarks/attention_kernels.py`` (every bf16 attention call on a fused kernel): the kernels
+    are launched by Triton, not through an ATen op, so their launches carry profiler labels, recorded
+    only while a profiler runs."""
+    got = run_interpreted(textwrap.dedent("""
+        import json, sys, torch
+        sys.path.insert(0, "benchmarks")
+        from attention_kernels import classify, kernel_counts
+        from vtdense.layers.triton_window_attention import window_attention
+        qkv = torch.randn(1, 2, 16, 3 * 16, requires_grad=True)
+        bias = torch.randn(1, 16, 16, requires_grad=True)
+        step = lambda: window_attention(qkv, bias, None, 0.25, 1).sum().backward()
+        counts = kernel_counts(step, "cpu")
+        print(json.dumps({k: [n, classify(k)] for k, n in counts.items()}))
+        """))
+    assert got == {twa.LABEL: [1, "fused"], twa.LABEL + "_backward": [1, "fused"]}

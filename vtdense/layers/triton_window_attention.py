@@ -59,8 +59,11 @@ from vtdense.layers.tracing import tracing
 from vtdense.layers.windows import mask_value
 
 __all__ = ["set_triton_window_attention", "triton_window_attention", "triton_window_attention_applies",
-           "triton_window_attention_enabled", "takes_dtype", "window_attention", "DTYPES", "MAX_WINDOW_TOKENS"]
+           "triton_window_attention_enabled", "takes_dtype", "window_attention", "DTYPES", "LABEL", "MAX_WINDOW_TOKENS"]
 
+#: the profiler label of the forward kernel's launch (``LABEL + "_backward"``: the backward's), recorded
+#: only while a profiler runs (``benchmarks/attention_kernels.py`` counts them as fused attention)
+LABEL = "vtdense::triton_window_attention"
 #: the dtypes the kernels take (the qkv projection's output)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 #: the most tokens a window may hold for the kernels (one program holds a window's whole score matrix)
@@ -261,6 +264,13 @@ def triton_window_attention_applies(x: Tensor, tokens: int, head_width: int, dro
     return interpreted or fused_norm._usable_on(x.device)
 
 
+def _labelled(label: str) -> contextlib.AbstractContextManager[Any]:
+    """``record_function(label)`` while a profiler runs; nothing otherwise (no host time per launch)."""
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(label)
+    return contextlib.nullcontext()
+
+
 def _interpreted(x: Tensor) -> bool:
     """Whether the kernels run in Triton's CPU interpreter (the tests' way to run them without a GPU)."""
     return x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -294,7 +304,7 @@ def _launch_forward(qkv: Tensor, bias: Tensor, masks: Tensor | None, scale: floa
     out = qkv.new_empty((B, nW, N, C))
     lse = torch.empty((B * nW, heads, block), dtype=torch.float32, device=qkv.device)
     if out.numel():
-        with fused_norm.launch_device(qkv):
+        with fused_norm.launch_device(qkv), _labelled(LABEL):
             fwd[(B * nW, heads)](qkv, bias, masks, out, lse, logit, nW, N, heads, scale, mask_value(), logit_max,
                                  D=C // heads, BLOCK_N=block, HAS_MASK=masks is not None, PREC=_precision(qkv),
                                  UPCAST=_upcast(qkv), COSINE=logit is not None, num_warps=4)
@@ -334,7 +344,7 @@ class _WindowAttention(torch.autograd.Function):
         parts = torch.empty((heads, chunks, block, block) if need_bias else (1,), dtype=torch.float32, device=qkv.device)
         logit_parts = torch.zeros((heads, chunks), dtype=torch.float32, device=qkv.device) if logit is not None else None
         if chunks:
-            with fused_norm.launch_device(qkv):
+            with fused_norm.launch_device(qkv), _labelled(LABEL + "_backward"):
                 bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, logit, logit_parts, BW, nW, N,
                                      heads, ctx.scale, mask_value(), ctx.logit_max, per, D=C3 // 3 // heads,
                                      BLOCK_N=block, HAS_MASK=masks is not None, PREC=_precision(qkv),
