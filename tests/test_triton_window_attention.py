@@ -370,3 +370,29 @@ def test_the_profiler_counts_the_kernels_as_fused_attention() -> None:
         print(json.dumps({k: [n, classify(k)] for k, n in counts.items()}))
         """))
     assert got == {twa.LABEL: [1, "fused"], twa.LABEL + "_backward": [1, "fused"]}
+
+
+def test_the_default_takes_half_precision_training_only() -> None:
+    """The ``"auto"`` default: a Swin trained under bf16 autocast runs every block's attention in the
+    kernels; in float32 and in inference, none (SDPA's path)."""
+    got = run_interpreted(textwrap.dedent("""
+        import json, torch
+        import vtdense
+        from vtdense.layers import triton_window_attention as twa
+        calls = []
+        real = twa.window_attention
+        twa.window_attention = lambda *a: (calls.append(1), real(*a))[1]
+        model = vtdense.create_backbone("swin_tiny", embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
+                                        drop_path_rate=0.0).train()
+        x = torch.randn(1, 3, 64, 64)
+        counts = {}
+        for name, cast, grad in (("bf16", True, True), ("fp32", False, True), ("bf16 inference", True, False)):
+            del calls[:]
+            with torch.autocast("cpu", torch.bfloat16, enabled=cast), torch.set_grad_enabled(grad):
+                out = model(x)
+            if grad:
+                sum(f.float().sum() for f in out.values()).backward()
+            counts[name] = len(calls)
+        print(json.dumps(dict(mode=twa.triton_window_attention_enabled(), **counts)))
+        """))
+    assert got == {"mode": "auto", "bf16": 4, "fp32": 0, "bf16 inference": 0}
