@@ -13,8 +13,8 @@
 #                                                   # (`triton-attn`, never timed before): its check and backward sweep,
 #                                                   # host_split and the training rows with it, then compile_backbone's
 #                                                   # cells graph against the any-size graph on the GPU (Swin-T)
-#   bash benchmarks/gpu_session.sh verify [TOTAL]   # one call (default 540 s) after the fifth H200 session: the trailing
-#                                                   # training rows with the Triton attention default (TF32 detector row
+#   bash benchmarks/gpu_session.sh verify [TOTAL]   # one call (default 540 s) after the fifth H200 session: the Triton
+#                                                   # attention's check at its new backward settings, the trailing training rows with the Triton attention default (TF32 detector row
 #                                                   # included), then compile_backbone's Swin-T training at three sizes in
 #                                                   # whole cells with recompile reasons logged (expected: one graph)
 #   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 480 s): the Triton LayerNorm and
@@ -94,6 +94,8 @@ if [ "$mode" = check ]; then
     step attention_kernels timeout 120 python3 benchmarks/attention_kernels.py --device cuda --dtype bf16
 elif [ "$mode" = verify ]; then
     total=${2:-540}
+    # the kernels' values again at the backward's new default (512 programs x 4 warps: timed, not checked)
+    step attn timeout 100 python3 benchmarks/triton_attention_check.py --device cuda
     rows='^Swin-T train step, batch 8 at 512x768, bf16$|^SwinV2-T train step, batch 8 at 512x768, bf16$|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
     step bench timeout 170 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 120
     cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
