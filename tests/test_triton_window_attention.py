@@ -400,3 +400,26 @@ def test_the_default_takes_half_precision_training_only() -> None:
         print(json.dumps(dict(mode=twa.triton_window_attention_enabled(), **counts)))
         """))
     assert got == {"mode": "auto", "bf16": 4, "fp32": 0, "bf16 inference": 0}
+
+
+def test_tasks_take_the_switch_as_an_option() -> None:
+    """``--model.triton_attention false`` in the recipes: checked when the task is made, applied
+    process-wide when the trainer builds the model (as ``activation_recompute`` is)."""
+    from vtdense.tasks.detection import DetectionTask
+    from vtdense.tasks.segmentation import SegmentationTask
+
+    tiny = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
+    try:
+        DetectionTask(backbone="swin_tiny", backbone_kwargs=tiny, num_classes=2, slim_heads=True,
+                      triton_attention=False).configure_model()
+        assert twa.triton_window_attention_enabled() is False
+        SegmentationTask(arch="upernet", backbone="swin_tiny", backbone_kwargs=tiny, num_classes=3,
+                         triton_attention=True).configure_model()
+        assert twa.triton_window_attention_enabled() is True
+        DetectionTask(backbone="swin_tiny", backbone_kwargs=tiny, num_classes=2, slim_heads=True).configure_model()
+        assert twa.triton_window_attention_enabled() == "auto"  # the default puts it back
+        for bad in ("on", 1, None):
+            with pytest.raises(ValueError, match="option 'triton_attention'"):
+                DetectionTask(backbone="swin_tiny", backbone_kwargs=tiny, num_classes=2, triton_attention=bad)
+    finally:
+        twa.set_triton_window_attention("auto")

@@ -40,6 +40,7 @@ from torch.utils.data import DistributedSampler
 from vtdense.data.errors import SKIP_REPORT_NAME, read_skip_report, write_skip_report
 from vtdense.distributed import destroy_process_group_at_exit
 from vtdense.layers.mlp import DEFAULT_RECOMPUTE_MIN_BYTES, set_activation_recompute
+from vtdense.layers.triton_window_attention import set_triton_window_attention
 from vtdense.models.compile import check_compile_option, compile_backbone, is_compiled
 from vtdense.tasks.fault import (
     NONFINITE_POLICIES,
@@ -119,6 +120,12 @@ class BaseTask(LightningModule):
                              f"recomputes; null: vtdense's default), got {min_bytes!r}")
 
     @staticmethod
+    def check_triton_attention_option(value: bool | str) -> None:
+        """Validate ``triton_attention`` (raises one ``ValueError`` naming the option)."""
+        if value not in (True, False, "auto") or not isinstance(value, (bool, str)):
+            raise ValueError(f"triton_attention must be true, false or 'auto' (option 'triton_attention'), got {value!r}")
+
+    @staticmethod
     def check_fault_options(nonfinite_loss: str, checkpoint_every_n_steps: int | None) -> None:
         """Validate the fault-tolerance options every task takes (raises one ``ValueError`` naming the option)."""
         if nonfinite_loss not in NONFINITE_POLICIES:
@@ -157,13 +164,15 @@ class BaseTask(LightningModule):
         - With the ``compile_backbone`` hyperparameter set, compile the backbone part in place for
           all input sizes (:func:`vtdense.models.compile.compile_backbone`).
         - Apply the ``activation_recompute`` and ``activation_recompute_min_bytes`` hyperparameters, process-wide
-          (:func:`vtdense.layers.mlp.set_activation_recompute`).
+          (:func:`vtdense.layers.mlp.set_activation_recompute`), and ``triton_attention``
+          (:func:`vtdense.layers.triton_window_attention.set_triton_window_attention`).
 
         Idempotent.
         """
         min_bytes = self.hparams.get("activation_recompute_min_bytes")
         set_activation_recompute(bool(self.hparams.get("activation_recompute", True)),
                                  min_bytes=DEFAULT_RECOMPUTE_MIN_BYTES if min_bytes is None else int(min_bytes))
+        set_triton_window_attention(self.hparams.get("triton_attention", "auto"))
         if self.model is None:
             return
         shard = getattr(self._trainer.strategy, "shard", None) if self._trainer is not None else None

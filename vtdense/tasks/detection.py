@@ -180,6 +180,7 @@ class DetectionTask(BaseTask):
         mask_rois_multiple: int | None = 32,
         activation_recompute: bool = True,
         activation_recompute_min_bytes: int | None = None,
+        triton_attention: bool | str = "auto",
     ) -> None:
         """Initialise the task.
 
@@ -244,6 +245,11 @@ class DetectionTask(BaseTask):
             activation_recompute_min_bytes: off the CPU, only layers whose recomputable activation has
                 at least this many bytes recompute (``null``: vtdense's default, 8 MiB; ``0``: every
                 layer). See :func:`vtdense.layers.mlp.set_activation_recompute`.
+            triton_attention: Swin's training attention on a GPU in vtdense's Triton kernels: ``auto``
+                (default; bf16 and fp16), ``true`` (float32 too) or ``false`` (SDPA's memory-efficient
+                kernel). Process-wide
+                (:func:`vtdense.layers.triton_window_attention.set_triton_window_attention`), set when
+                the trainer builds the model.
 
         Raises:
             ValueError: an unknown choice (the message names the option and lists the choices).
@@ -282,6 +288,7 @@ class DetectionTask(BaseTask):
         check_mask_rois_multiple(mask_rois_multiple)
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         self.check_recompute_option(activation_recompute_min_bytes)
+        self.check_triton_attention_option(triton_attention)
         check_compile_option(compile_backbone)
         self.save_hyperparameters()
         self.label_to_category_id: dict[int, int] = {}

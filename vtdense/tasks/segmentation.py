@@ -109,6 +109,10 @@ class SegmentationTask(BaseTask):
             (:func:`vtdense.layers.mlp.set_activation_recompute`), set when the trainer builds the model.
         activation_recompute_min_bytes: off the CPU, only layers whose recomputable activation has at
             least this many bytes recompute (``null``: vtdense's default, 8 MiB; ``0``: every layer).
+        triton_attention: Swin's training attention on a GPU in vtdense's Triton kernels: ``auto``
+            (default; bf16 and fp16), ``true`` (float32 too) or ``false`` (SDPA's memory-efficient
+            kernel). Process-wide (:func:`vtdense.layers.triton_window_attention.set_triton_window_attention`),
+            set when the trainer builds the model.
     """
 
     monitor = "val/mIoU"
@@ -148,10 +152,12 @@ class SegmentationTask(BaseTask):
         compile_backbone: bool | str = False,
         activation_recompute: bool = True,
         activation_recompute_min_bytes: int | None = None,
+        triton_attention: bool | str = "auto",
     ) -> None:
         super().__init__()
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         self.check_recompute_option(activation_recompute_min_bytes)
+        self.check_triton_attention_option(triton_attention)
         check_compile_option(compile_backbone)
         self.save_hyperparameters()
         if arch.lower() not in ARCHITECTURES:
