@@ -142,6 +142,8 @@ def test_misspelt_option_gets_one_short_error_with_the_closest_name(
         (["--model.size_divisibility", "0"], "error: size_divisibility must be a positive int (option 'size_divisibility')"),
         (["--model.mask_rois_multiple", "0"], "error: mask_rois_multiple must be a positive int or null (option 'mask_rois_multiple')"),
         (["--model.head", "mask_rcn"], "error: unknown head 'mask_rcn'"),
+        (["--model.triton_attention", "maybe"],
+         "error: triton_attention must be true, false or 'auto' (option 'triton_attention'), got 'maybe'"),
         (["predict", "--ckpt_path", "missing.ckpt", "--data.predict_path", "."],
          "error: --ckpt_path: checkpoint not found: missing.ckpt"),
     ],
