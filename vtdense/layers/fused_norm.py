@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vtdense.layers.plain import plain_layer_norm, plain_linear
-from vtdense.layers.scoped import scoped_setting
+from vtdense.layers.scoped import is_auto_switch, scoped_setting
 from vtdense.layers.tracing import tracing
 
 __all__ = ["set_triton_norm", "triton_norm", "triton_norm_applies", "layer_norm_bf16", "eager_layer_norm_bf16",
@@ -76,7 +76,7 @@ def set_triton_norm(enabled: bool | str) -> None:
     default: inputs of at least :data:`AUTO_MIN_ELEMENTS` values), ``True`` (every pre-norm that
     feeds a projection) or ``False`` (none)."""
     global _enabled
-    if enabled not in (True, False, "auto"):
+    if not is_auto_switch(enabled):
         raise ValueError(f"set_triton_norm takes True, False or 'auto'; got {enabled!r}")
     _enabled = "auto" if enabled == "auto" else bool(enabled)
 

@@ -7,9 +7,15 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterator, TypeVar
 
-__all__ = ["scoped_setting"]
+__all__ = ["scoped_setting", "is_auto_switch"]
 
 T = TypeVar("T")
+
+
+def is_auto_switch(value: object) -> bool:
+    """Whether ``value`` is one of a three-way switch's settings: ``True``, ``False`` or ``"auto"``
+    (not ``1``, ``0`` or another string)."""
+    return isinstance(value, (bool, str)) and value in (True, False, "auto")
 
 
 @contextlib.contextmanager

@@ -54,7 +54,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from vtdense.layers import fused_norm
-from vtdense.layers.scoped import scoped_setting
+from vtdense.layers.scoped import is_auto_switch, scoped_setting
 from vtdense.layers.tracing import tracing
 from vtdense.layers.windows import mask_value
 
@@ -228,7 +228,7 @@ def set_triton_window_attention(enabled: bool | str) -> None:
     fp16 qkv projection, ``True`` for any of :data:`DTYPES`, ``False`` nowhere (SDPA's memory-efficient
     kernel with the bias and mask as an additive term)."""
     global _enabled
-    if enabled not in (True, False, "auto"):
+    if not is_auto_switch(enabled):
         raise ValueError(f"set_triton_window_attention takes True, False or 'auto'; got {enabled!r}")
     _enabled = "auto" if enabled == "auto" else bool(enabled)
 

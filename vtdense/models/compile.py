@@ -158,7 +158,8 @@ def _without_size_thresholds(kwargs: dict[str, Any]) -> dict[str, Any]:
     takes one or the other). Settings the caller gave win."""
     from torch._inductor import config as inductor_config
 
-    ours = {k: v for k, v in _SIZE_FREE_INDUCTOR.items() if _has_setting(inductor_config, k)}
+    known = inductor_config.get_config_copy()  # (the dotted names torch.compile's options take)
+    ours = {k: v for k, v in _SIZE_FREE_INDUCTOR.items() if k in known}
     mode = kwargs.get("mode")
     if not ours or (mode is not None and (kwargs.get("options") or mode not in torch._inductor.list_mode_options())):
         return kwargs  # (both, or a mode torch does not know: torch.compile's own error says so)
@@ -167,12 +168,6 @@ def _without_size_thresholds(kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs["options"] = {**ours, **torch._inductor.list_mode_options(mode or "default", kwargs["dynamic"]),
                          **(kwargs.get("options") or {})}
     return kwargs
-
-
-def _has_setting(config: Any, dotted: str) -> bool:
-    """Whether Inductor's ``config`` has the setting ``dotted`` (``"triton.cudagraphs"``)."""
-    head, _, rest = dotted.partition(".")
-    return hasattr(config, head) and (not rest or _has_setting(getattr(config, head), rest))
 
 
 def _size_unit(part: nn.Module, size_divisible: int | None) -> int:

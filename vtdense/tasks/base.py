@@ -40,6 +40,7 @@ from torch.utils.data import DistributedSampler
 from vtdense.data.errors import SKIP_REPORT_NAME, read_skip_report, write_skip_report
 from vtdense.distributed import destroy_process_group_at_exit
 from vtdense.layers.mlp import DEFAULT_RECOMPUTE_MIN_BYTES, set_activation_recompute
+from vtdense.layers.scoped import is_auto_switch
 from vtdense.layers.triton_window_attention import set_triton_window_attention
 from vtdense.models.compile import check_compile_option, compile_backbone, is_compiled
 from vtdense.tasks.fault import (
@@ -122,7 +123,7 @@ class BaseTask(LightningModule):
     @staticmethod
     def check_triton_attention_option(value: bool | str) -> None:
         """Validate ``triton_attention`` (raises one ``ValueError`` naming the option)."""
-        if value not in (True, False, "auto") or not isinstance(value, (bool, str)):
+        if not is_auto_switch(value):
             raise ValueError(f"triton_attention must be true, false or 'auto' (option 'triton_attention'), got {value!r}")
 
     @staticmethod
