@@ -17,6 +17,7 @@ import vtdense
 from vtdense.backbones import mvitv2 as mvitv2_module
 from vtdense.backbones.mvitv2 import MultiScaleAttention, MViTv2
 from vtdense.checkpoints.convert import CheckpointError
+from vtdense.layers.depthwise_conv import depthwise_conv_nhwc
 from vtdense.layers.position import decomposed_rel_pos_bias
 from probe import probe_loss
 
@@ -291,20 +292,20 @@ def test_window_attention_matches_unpadded_reference(size: tuple[int, int]) -> N
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("stride", [1, 2, 4])
-def test_pooling_taps_equal_the_depthwise_conv(stride: int, bf16: bool) -> None:
-    """Compiled training pools by the conv's taps (``_depthwise_taps``): on maps that the stride
-    divides or not, the output, its dtype and the gradients of the input and the filters are the
-    conv's, to float rounding (bf16: within its rounding of sums taken in another order)."""
+def test_pooling_op_equals_the_depthwise_conv(stride: int, bf16: bool) -> None:
+    """Compiled training pools by the op ``vtdense::depthwise_conv_nhwc`` (``depthwise_conv_nhwc``):
+    on maps that the stride divides or not, the output, its dtype and the gradients of the input and
+    the filters are those of ``F.conv2d`` on the channels-last view, as eager code runs it."""
     torch.manual_seed(0)
     C = 12
     for H, W in [(8, 8), (13, 5), (7, 9)]:
         y = torch.randn(2, H, W, C, requires_grad=True)
         w = torch.randn(C, 1, 3, 3, requires_grad=True)
         results = []
-        for taps in (False, True):
+        for op in (False, True):
             with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
-                if taps:
-                    out = mvitv2_module._depthwise_taps(y, w, (stride, stride), (1, 1))
+                if op:  # (B, H', W', heads, d) -> (B, H', W', C)
+                    out = depthwise_conv_nhwc(y, w, (stride, stride), (1, 1), heads=3).flatten(3)
                 else:
                     out = torch.nn.functional.conv2d(y.permute(0, 3, 1, 2), w, None, stride, 1, groups=C).permute(0, 2, 3, 1)
             grads = torch.autograd.grad(out.float().square().sum(), (y, w))
@@ -312,9 +313,18 @@ def test_pooling_taps_equal_the_depthwise_conv(stride: int, bf16: bool) -> None:
         (ref, *ref_grads), (got, *got_grads) = results
         assert got.shape == ref.shape == (2, math.ceil(H / stride), math.ceil(W / stride), C)
         assert got.dtype == ref.dtype == (torch.bfloat16 if bf16 else torch.float32)
-        tol = 2e-2 if bf16 else 1e-5
         for a, b in zip((got, *got_grads), (ref, *ref_grads)):
-            assert (a.float() - b.float()).norm() <= tol * b.float().norm(), (H, W)
+            assert torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-5), (H, W)
+
+
+def test_pooling_op_passes_torch_opcheck() -> None:
+    """The op's fake (meta) form, schema and autograd registration agree with its real one
+    (``torch.library.opcheck``: what Dynamo and AOT autograd rely on when they trace it)."""
+    torch.manual_seed(0)
+    for stride, (H, W) in [(1, (8, 8)), (2, (7, 9)), (4, (13, 5))]:
+        rows = torch.randn(2 * H * W, 6, requires_grad=True)  # a (2, H, W, 6) map as rows; 2 heads of 3
+        w = torch.randn(6, 1, 3, 3, requires_grad=True)
+        torch.library.opcheck(torch.ops.vtdense.depthwise_conv_nhwc.default, (rows, w, 2, H, W, 2, [stride, stride], [1, 1]))
 
 
 @pytest.mark.parametrize("window", [0, 8])

@@ -59,6 +59,7 @@ from vtdense.layers.autocast import autocast_inputs, autocast_params
 from vtdense.layers import chunked
 from vtdense.layers.chunked import chunking_applies, row_slices
 from vtdense.layers.tracing import exporting, tracing
+from vtdense.layers.depthwise_conv import depthwise_conv_nhwc
 from vtdense.layers.decomposed_attention import (
     compiled_decomposed_attention,
     compiled_decomposed_attention_applies,
@@ -190,8 +191,8 @@ class MultiScaleAttention(nn.Module):
         weight, _ = autocast_params(pool.weight, None)  # inference under autocast: a kept cast copy
         filters = weight if h == 1 else weight.repeat(h, 1, 1, 1)
         if torch.compiler.is_compiling() and not exporting() and torch.is_grad_enabled():
-            # compiled training: the taps, not the conv (see _depthwise_taps)
-            return norm(_depthwise_taps(y, filters, pool.stride, pool.padding).unflatten(-1, (h, d)))
+            # compiled training: the conv as one opaque op with its own backward (see depthwise_conv_nhwc)
+            return norm(depthwise_conv_nhwc(y, filters, pool.stride, pool.padding, heads=h))
         y = F.conv2d(y.permute(0, 3, 1, 2), filters, None, pool.stride, pool.padding, groups=h * d)
         y = y.permute(0, 2, 3, 1)  # (B, H', W', h*d), a view when the conv kept channels-last
         return norm(y.reshape(B, *y.shape[1:3], h, d))
@@ -396,31 +397,6 @@ class MultiScaleBlock(nn.Module):
         if plain_linear(self.shortcut_proj_mlp) and plain_linear(self.mlp.fc1):
             (x_norm,) = autocast_inputs(x_norm)  # read by the shortcut's product and fc1
         return residual(apply_linear(self.shortcut_proj_mlp, x_norm), self.drop_path2, self.mlp(x_norm))
-
-
-def _depthwise_taps(y: Tensor, filters: Tensor, stride: tuple[int, int], padding: tuple[int, int]) -> Tensor:
-    """A depthwise conv on channels-last maps as a sum of its taps: ``y`` ``(B, H, W, C)``,
-    ``filters`` ``(C, 1, kh, kw)`` -> ``(B, H', W', C)``, ``H' = (H + 2 * ph - kh) // sh + 1``.
-
-    Compiled training's form of the pooling conv. Inductor cannot order the symbolic strides of
-    the conv's channels-last input view, which autograd saves for the weight's gradient, and
-    stops (torch 2.14, dynamic sizes). The taps are strided slices of one padded copy, multiplied
-    and summed in float32 (Inductor fuses them into one pass) and returned in the conv's dtype
-    (autocast's, where it is on). Eager code keeps the conv."""
-    kh, kw = filters.shape[2:]
-    (sh, sw), (ph, pw) = stride, padding
-    H, W = y.shape[1:3]
-    Ho, Wo = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
-    acc = torch.promote_types(y.dtype, torch.float32)
-    yp = F.pad(y, (0, 0, pw, pw, ph, ph)).to(acc)
-    taps = filters.to(acc).flatten(1)  # (C, kh * kw)
-    out = None
-    for i in range(kh):
-        for j in range(kw):
-            tap = yp[:, i : i + sh * (Ho - 1) + 1 : sh, j : j + sw * (Wo - 1) + 1 : sw] * taps[:, i * kw + j]
-            out = tap if out is None else out + tap
-    dtype = torch.get_autocast_dtype(y.device.type) if torch.is_autocast_enabled(y.device.type) else y.dtype
-    return out.to(dtype)
 
 
 class _PatchEmbed(nn.Module):
