@@ -16,7 +16,8 @@
 #   bash benchmarks/gpu_session.sh verify [TOTAL]   # one call (default 540 s) after the fifth H200 session: the Triton
 #                                                   # attention's check at its new backward settings, the trailing training rows with the Triton attention default (TF32 detector row
 #                                                   # included), then compile_backbone's Swin-T training at three sizes in
-#                                                   # whole cells with recompile reasons logged (expected: one graph)
+#                                                   # whole cells with recompile reasons logged (expected: one graph),
+#                                                   # then, where 90 s remain, MViTv2-T's first compiled training step
 #   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 480 s): the Triton LayerNorm and
 #                                                   # recomputation checks, the rows where vtdense trailed
 #                                                   # (with their switches' contenders), then the compiled
@@ -105,6 +106,14 @@ elif [ "$mode" = verify ]; then
             --families swin --backend inductor --sizes 512x768 640x800 480x736
     else
         echo "== cells: left out, $left s of the $total s remain"
+    fi
+    # MViTv2-T's first compiled training step with its pooling as one opaque op (2026-11-27: 264 s on the 2-core CPU)
+    left=$((total - SECONDS - 10))
+    if [ $left -ge 90 ]; then
+        step mvit_compile timeout $left python3 benchmarks/compile_first.py --device cuda --families "mvitv2_t windows" \
+            --backends inductor --modes train --hows compile_backbone
+    else
+        echo "== mvit_compile: left out, $left s of the $total s remain"
     fi
 elif [ "$mode" = attn ]; then
     total=${2:-540}

@@ -76,12 +76,11 @@ def test_eager_steps_keep_autograds_gathers() -> None:
     assert torch.equal(z, x)  # partition then reverse is the identity on the tokens
 
 
-def test_compiled_swin_training_backward_has_no_token_scatter_adds() -> None:
-    """Under ``torch.compile`` the backward graph keeps one ``index_add`` per block (the position
-    table's gradient) and none for the window gathers (two per block before)."""
+def _aot_ops(model: torch.nn.Module, x: torch.Tensor) -> tuple[dict[str, list[str]], list[str]]:
+    """One compiled training step of ``model`` through AOT autograd: the ATen ops of the forward and
+    backward graphs (``{"fw": [...], "bw": [...]}``), and the forward's outputs (what the backward
+    reads) that are views of a gather."""
     from torch._functorch.aot_autograd import aot_module_simplified
-
-    import vtdense
 
     ops: dict[str, list[str]] = {}
     saved_views: list[str] = []
@@ -99,11 +98,20 @@ def test_compiled_swin_training_backward_has_no_token_scatter_adds() -> None:
             return compiler
         return aot_module_simplified(gm, inputs, fw_compiler=keep("fw"), bw_compiler=keep("bw"))
 
+    sum(f.square().mean() for f in torch.compile(model, backend=backend)(x).values()).backward()
+    return ops, saved_views
+
+
+def test_compiled_swin_training_backward_has_no_token_scatter_adds() -> None:
+    """Under ``torch.compile`` the backward graph keeps one ``index_add`` per block (the position
+    table's gradient) and none for the window gathers (two per block before)."""
+    import vtdense
+
     torch.manual_seed(0)
     model = vtdense.create_backbone("swin_tiny", embed_dim=16, depths=(2, 2, 2, 2), num_heads=(1, 2, 2, 4),
                                     window_size=4, drop_path_rate=0.0).train()
     x = torch.randn(2, 3, 80, 112)  # stage maps 20x28 .. 3x4: padded and unpadded windows
-    sum(f.square().mean() for f in torch.compile(model, backend=backend)(x).values()).backward()
+    ops, saved_views = _aot_ops(model, x)
     blocks = 8
     assert ops["bw"].count("aten.index_add.default") == blocks, ops["bw"].count("aten.index_add.default")
     # Inductor sorts a saved view's symbolic strides with sympy alone, which failed on Swin's windows
@@ -112,3 +120,31 @@ def test_compiled_swin_training_backward_has_no_token_scatter_adds() -> None:
     # per block: the partition (one gather straight into windows), the reverse, the position table
     assert ops["fw"].count("aten.index.Tensor") >= blocks
     assert ops["fw"].count("aten.index_select.default") + ops["fw"].count("aten.index.Tensor") >= 3 * blocks
+
+
+def test_compiled_mvitv2_training_gathers_its_windows_and_pools_with_one_op() -> None:
+    """Compiled MViTv2 training with hybrid windows: each windowed block cuts q, k and v into windows
+    with gathers (three, and one back to the tokens), whose backward passes are gathers too (no
+    scatter-add); it pools with ``vtdense::depthwise_conv_nhwc`` and its backward op, so the only
+    convolution left is the patch embedding's; and no saved tensor is a view of a gather."""
+    import vtdense
+
+    torch.manual_seed(0)
+    model = vtdense.create_backbone("mvitv2_tiny", embed_dim=16, depths=(1, 2, 1, 1), num_heads=1, window_size=8,
+                                    drop_path_rate=0.0).train()
+    x = torch.randn(2, 3, 80, 112)  # stage maps 20x28 .. 3x4: windows of 8, 4, 2, 1 (padded and not)
+    ops, saved_views = _aot_ops(model, x)
+    windowed = sum(not blk.attn.window == 0 for stage in model.stages for blk in stage.blocks)
+    blocks = sum(len(stage.blocks) for stage in model.stages)
+    assert 0 < windowed < blocks
+    fw, bw = ops["fw"], ops["bw"]
+    assert fw.count("vtdense.depthwise_conv_nhwc.default") == 3 * blocks
+    assert bw.count("vtdense.depthwise_conv_nhwc_backward.default") == 3 * blocks
+    assert fw.count("aten.convolution.default") == 1 and bw.count("aten.convolution_backward.default") == 1
+    assert fw.count("vtdense.window_token_index.default") == 2 * windowed
+    assert fw.count("aten.index.Tensor") >= 3 * windowed  # q, k, v into windows
+    # backward: gathers for the windows (3 in, 1 out per windowed block), no scatter-add; the only
+    # index_put are the two position tables' of each block
+    assert bw.count("aten.index_select.default") >= 4 * windowed
+    assert "aten.index_add.default" not in bw and bw.count("aten.index_put.default") == 2 * blocks
+    assert not saved_views, saved_views

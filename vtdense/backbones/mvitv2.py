@@ -76,8 +76,11 @@ from vtdense.layers.windows import (
     mask_value,
     pad_to_window,
     window_attention_mask,
+    tokens_to_windows,
     window_partition,
     window_reverse,
+    window_token_index,
+    windows_to_tokens,
 )
 
 __all__ = ["MultiScaleAttention", "MultiScaleBlock", "MViTv2Stage", "MViTv2"]
@@ -223,6 +226,7 @@ class MultiScaleAttention(nn.Module):
 
         mask = None
         grid = None
+        gathered = torch.compiler.is_compiling() and not exporting()
         if self.window:
             qw, kw = self.window // self.stride_q, self.window // self.stride_kv
             # Clipping a window to a smaller map leaves one window along that axis and needs no
@@ -231,11 +235,22 @@ class MultiScaleAttention(nn.Module):
             q_win = effective_window((Hq, Wq), (qw, qw), (0, 0))[0]
             k_win = effective_window((Hk, Wk), (kw, kw), (0, 0))[0]
             grid = ((qw, qw), (kw, kw))
-            qp = pad_to_window(q.flatten(3), q_win)
-            Hqp, Wqp = qp.shape[1:3]
-            qs = window_partition(qp, q_win)
-            ks = window_partition(pad_to_window(k.flatten(3), k_win), k_win)
-            vs = window_partition(pad_to_window(v.flatten(3), k_win), k_win)
+            if gathered:
+                # Under torch.compile: padding and partition as one gather with a cached index table (padded
+                # slots hold token 0: masked as keys, dropped as queries), as Swin's blocks do. Inductor then
+                # indexes the windows through the table instead of through floor divisions and remainders
+                # of the padded sizes, which were much of its code generation's sympy work.
+                q_index = window_token_index(Hq, Wq, q_win, (0, 0), x.device)
+                k_index = window_token_index(Hk, Wk, k_win, (0, 0), x.device)
+                qs = tokens_to_windows(q.reshape(B, Hq * Wq, h * d), *q_index, q_win[0] * q_win[1])
+                ks, vs = (tokens_to_windows(t.reshape(B, Hk * Wk, h * d), *k_index, k_win[0] * k_win[1]) for t in (k, v))
+                Hqp = Wqp = 0  # (unused: the scatter crops)
+            else:
+                qp = pad_to_window(q.flatten(3), q_win)
+                Hqp, Wqp = qp.shape[1:3]
+                qs = window_partition(qp, q_win)
+                ks = window_partition(pad_to_window(k.flatten(3), k_win), k_win)
+                vs = window_partition(pad_to_window(v.flatten(3), k_win), k_win)
             # Key-validity part of the cached window mask: every row of a window's (N, N)
             # mask is the same when there is no shift, so one row serves all queries.
             full = window_attention_mask(Hk, Wk, k_win, (0, 0), x.device)
@@ -276,7 +291,9 @@ class MultiScaleAttention(nn.Module):
                 bias = decomposed_rel_pos_bias(qs, self.rel_pos_h, self.rel_pos_w, q_win, k_win, grid, key_terms)
                 out = attention(qs, ks, vs, bias, dropout=dropout)
         out = out.transpose(2, 3).reshape(B, nW, -1, h * d)  # a view when the kernel wrote (.., N, h, d)
-        if self.window:
+        if self.window and gathered:
+            out = windows_to_tokens(out.reshape(B, -1, h * d), *q_index).view(B, Hq, Wq, h * d)
+        elif self.window:
             out = window_reverse(out, q_win, Hqp, Wqp)
             if torch.compiler.is_compiling():
                 # Cropped always, into a new dense tensor by a negative pad. A cropped view's
