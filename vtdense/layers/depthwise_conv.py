@@ -7,11 +7,11 @@ saves that view for the filters' gradient, and Inductor, laying out a saved view
 symbolic strides with sympy alone and stops (torch 2.14, dynamic sizes). MViTv2 once pooled by the
 conv's nine taps there, strided slices of a padded copy that Inductor fused; their forward and
 backward were about a third of the kernels Inductor had to generate for MViTv2-T, each with long
-index expressions over the pooled sizes, and generating C++ for them dominated the first compile
-on the CPU. :func:`depthwise_conv_nhwc` runs the conv as the custom op ``vtdense::depthwise_conv_nhwc``
-instead: one call to the device's own conv (oneDNN, cuDNN) that Inductor does not look into,
-which saves the dense map itself for a backward that is a second op of the same kind
-(``aten.convolution_backward``).
+index expressions over the pooled sizes, and half of the C++ code generation's time in its first
+compile on the CPU. :func:`depthwise_conv_nhwc` runs the conv as the custom op
+``vtdense::depthwise_conv_nhwc`` instead: one call to the device's own conv (oneDNN, cuDNN) that
+Inductor does not look into, which saves the map (as rows) for a backward that is a second op of
+the same kind (``aten.convolution_backward``).
 """
 
 from __future__ import annotations
