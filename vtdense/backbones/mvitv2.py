@@ -244,7 +244,6 @@ class MultiScaleAttention(nn.Module):
                 k_index = window_token_index(Hk, Wk, k_win, (0, 0), x.device)
                 qs = tokens_to_windows(q.reshape(B, Hq * Wq, h * d), *q_index, q_win[0] * q_win[1])
                 ks, vs = (tokens_to_windows(t.reshape(B, Hk * Wk, h * d), *k_index, k_win[0] * k_win[1]) for t in (k, v))
-                Hqp = Wqp = 0  # (unused: the scatter crops)
             else:
                 qp = pad_to_window(q.flatten(3), q_win)
                 Hqp, Wqp = qp.shape[1:3]
