@@ -93,6 +93,34 @@ def trace_attempts() -> int:
     return sum(1 for k in compilation_time_metrics if k.startswith("compile_attempt_"))
 
 
+#: Where a first compile spends its time, as ``torch._dynamo.utils.compilation_time_metrics`` names it:
+#: Dynamo's trace; AOT autograd's metadata pass and joint trace; Inductor's lowering, scheduling and
+#: code generation; the wait for the compile workers (C++ or Triton kernels). What a first call takes
+#: beyond ``compile`` (the whole compile) runs the kernels, and on a GPU autotunes them.
+PHASES = {
+    "compile": "_compile.compile_inner",
+    "dynamo": "bytecode_tracing",
+    "aot metadata": "aot_collect_metadata",
+    "aot joint": "aot_trace_joint_graph",
+    "lowering": "GraphLowering.run",
+    "scheduler": "Scheduler.__init__",
+    "codegen": "Scheduler.codegen",
+    "kernel compile wait": "async_compile.wait",
+}
+
+
+def compile_phases(seconds: float | None = None) -> dict[str, float]:
+    """Seconds per :data:`PHASES` entry since ``compilation_time_metrics`` was last cleared (those
+    this torch records); with ``seconds``, the first call's whole time, also ``"after compile"``."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    out = {k: round(sum(compilation_time_metrics[name]), 1) for k, name in PHASES.items()
+           if compilation_time_metrics.get(name)}
+    if seconds is not None and "compile" in out:
+        out["after compile"] = round(seconds - out["compile"], 1)
+    return out
+
+
 def compile_script_options(p: argparse.ArgumentParser, families: list[str], default: list[str]) -> None:
     """The ``--device`` (``cpu`` or ``cuda``) and ``--families`` options of the compile scripts
     (``compile_sizes.py``, ``compile_first.py``, ``compile_train_sizes.py``)."""

@@ -36,7 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import (  # noqa: E402
-    compile_script_options, environment, error_line, hw_size, parsed_with_device, trace_attempts, write_report,
+    compile_phases, compile_script_options, environment, error_line, hw_size, parsed_with_device, trace_attempts,
+    write_report,
 )
 
 __all__ = ["first_call", "measure", "markdown", "main"]
@@ -57,7 +58,8 @@ def first_call(family: str, how: str, backend: str, mode: str, size: tuple[int, 
                device: str = "cpu") -> dict[str, Any]:
     """In this process: build ``family``, compile it ``how``, and time its first call at ``size``
     (forward, and in ``mode="train"`` the backward of the maps' sum; on CUDA under bf16 autocast).
-    Returns the seconds, Dynamo's trace attempts and the largest difference to eager."""
+    Returns the seconds, Dynamo's trace attempts, the largest difference to eager and the seconds
+    per compile phase (``common.compile_phases``)."""
     import torch._dynamo.utils as dynamo_utils
 
     import vtdense
@@ -91,10 +93,10 @@ def first_call(family: str, how: str, backend: str, mode: str, size: tuple[int, 
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    attempts = trace_attempts()
+    attempts, phases = trace_attempts(), compile_phases(seconds)
     want = run(eager)
     diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
-    return {"seconds": round(seconds, 1), "attempts": attempts, "max abs diff": diff}
+    return {"seconds": round(seconds, 1), "attempts": attempts, "max abs diff": diff, "phases": phases}
 
 
 def measure(family: str, how: str, backend: str, mode: str, size: tuple[int, int], tiny: bool = False,

@@ -3,14 +3,13 @@
 For each backbone, one training step (forward, a probe loss, backward) at each size in turn, first
 compiled and then eager on a copy with the same weights. Printed per size: the seconds of the
 compiled step (the first size compiles; a later one that takes about as long compiled again),
-Dynamo's graph count after it, and the largest difference of the compiled step's outputs and
-parameter gradients to eager's. Where a compile fails, the error's first line.
+Dynamo's graph count after it, the largest difference of the compiled step's outputs and
+parameter gradients to eager's, and where it compiled, the seconds of each compile phase. Where a
+compile fails, the error's first line.
 
 On ``--device cuda`` both run under bf16 autocast (so the differences are bf16's).
 The tests' 16-channel models are the default: on the CPU, Inductor's C++ code generation of
-a full-size training step takes much longer. Inductor's C++ reductions pick their form by the
-number of rows (``need_use_acc_helper``: at most 4096 rows), so small maps on either side of that
-compile twice; the default sizes are all above it. ``compile_backbone`` compiles one graph for sizes
+a full-size training step takes much longer. ``compile_backbone`` compiles one graph for sizes
 in whole 32-pixel cells and one for the others (``--size-divisible 1``: one graph for all), so the
 default sizes, two of each kind, make two graphs.
 
@@ -31,7 +30,7 @@ from typing import Any
 
 import torch
 
-from common import compile_script_options, error_line, hw_size, parsed_with_device, sync
+from common import compile_phases, compile_script_options, error_line, hw_size, parsed_with_device, sync
 
 TINY: dict[str, tuple[str, dict[str, Any]]] = {
     "swin": ("swin_tiny", dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4)),
@@ -62,9 +61,10 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str, tiny: bool,
             device: str = "cpu", size_divisible: int | None = None) -> list[dict[str, Any]]:
-    """Rows of one family: size, compiled-step seconds, graphs so far, max abs diff to eager."""
+    """Rows of one family: size, compiled-step seconds, graphs so far, max abs diff to eager, and
+    where the step compiled, its seconds per compile phase (``common.compile_phases``)."""
     import torch._dynamo
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compilation_time_metrics, counters
 
     import vtdense
     from vtdense.models.compile import compile_backbone
@@ -78,6 +78,7 @@ def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str,
     rows = []
     for size in sizes:
         x = torch.randn(batch, 3, *size, device=device)
+        compilation_time_metrics.clear()
         start = time.perf_counter()
         try:
             got = _step(compiled, x)
@@ -89,10 +90,11 @@ def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str,
         seconds = time.perf_counter() - start
         want = _step(eager, x)
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
+        phases = compile_phases(seconds)
         rows.append({"size": size, "seconds": round(seconds, 1), "graphs": counters["stats"]["unique_graphs"],
-                     "max abs diff": diff})
-        print(f"{family} {size[0]}x{size[1]}: {seconds:.1f} s, graphs {rows[-1]['graphs']}, max abs diff {diff:.1e}",
-              flush=True)
+                     "max abs diff": diff, **({"phases": phases} if phases else {})})
+        print(f"{family} {size[0]}x{size[1]}: {seconds:.1f} s, graphs {rows[-1]['graphs']}, max abs diff {diff:.1e}"
+              + (f"; compile phases, s: {phases}" if phases else ""), flush=True)
     return rows
 
 

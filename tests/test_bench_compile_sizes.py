@@ -45,6 +45,8 @@ def test_first_call_script_times_a_way_of_compiling_in_a_fresh_process(capsys: p
     (row,) = report["rows"]
     cell = row["compile_backbone"]
     assert cell["attempts"] == 1 and cell["seconds"] > 0 and cell["max abs diff"] < 1e-5, row
+    phases = cell["phases"]  # Dynamo's trace within the compile, the compile within the first call
+    assert 0 < phases["dynamo"] <= phases["compile"] <= cell["seconds"] + 0.1, phases
     assert f"| swin_t | eager | infer | not run | not run | {cell['seconds']} (1) |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         compile_first.main(["--size", "64"])
@@ -61,6 +63,7 @@ def test_training_script_compares_a_compiled_step_with_eager_at_each_size(capsys
     rows = report["mvitv2 windows"]
     assert [r["size"] for r in rows] == [(64, 96), (96, 64)] and all("error" not in r for r in rows), rows
     assert [r["graphs"] for r in rows] == [1, 1]
+    assert rows[0]["phases"]["dynamo"] > 0 and "phases" not in rows[1], rows  # the second size compiled nothing
     assert all(0 <= r["max abs diff"] < 1e-5 for r in rows), rows
     assert "mvitv2 windows 96x64:" in capsys.readouterr().out
     with pytest.raises(SystemExit):

@@ -13,6 +13,8 @@ import pytest
 import sympy
 import torch
 import torch._dynamo
+import torch._functorch.config
+import torch._inductor.config
 from torch._dynamo.backends.registry import register_backend
 from torch._dynamo.utils import counters
 
@@ -135,6 +137,44 @@ def test_inductor_graphs_leave_out_the_gpu_fusions_size_thresholds(monkeypatch: 
     assert len(seen) == (1 if kwargs.get("dynamic") is False else 2)  # the any-size graph, the cells graph
     for kw in seen:
         assert kw.get("options") == options and "mode" not in kw
+
+
+class _RowsBackbone(torch.nn.Module):
+    """A one-linear "backbone" whose training step sums the bias gradient over ``B * H * W`` rows."""
+
+    out_strides = (1,)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(3, 8)
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"0": torch.relu(self.proj(x.permute(0, 2, 3, 1)))}
+
+
+def test_inductor_cpu_sums_over_rows_do_not_guard_the_graph_on_4096_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor's C++ code generator chose a float sum's accumulator by ``rows > 4096``, a guard:
+    Swin-T's training step at batch 2 compiled again from 512x768 (3430 rows at stage 3) to 640x800.
+    In ``compile_backbone``'s graphs a symbolic length takes the chunked accumulator at every size:
+    here 3072 rows, then 6144, then 1536 run one graph (two before), with eager's gradients.
+    Inductor's caches are off: a cached graph brings the guards it was compiled with."""
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    eager = _RowsBackbone()
+    compiled = compile_backbone(copy.deepcopy(eager), "inductor", size_divisible=1)
+    for size in [(32, 48), (64, 48), (16, 48)]:
+        x = torch.randn(2, 3, *size)
+        grads = []
+        for model in (compiled, eager):
+            model(x)["0"].square().mean().backward()
+            grads.append([p.grad for p in model.parameters()])
+            model.zero_grad(set_to_none=True)
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_a_square_first_size_makes_no_graph_for_squares_only() -> None:

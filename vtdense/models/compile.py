@@ -22,7 +22,9 @@ matmul-bound and compiling gains little.
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import operator
 from typing import Any, Callable
 
 import torch
@@ -130,6 +132,7 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
     kwargs.setdefault("dynamic", True)
     if name == "inductor" and kwargs["dynamic"] is not False:
         kwargs = _without_size_thresholds(kwargs)
+        _install_size_free_cpu_sums()
     part.compile(backend=name, **kwargs)
     config = dict(specialize_float=True)
     if name == "eager":
@@ -168,6 +171,48 @@ def _without_size_thresholds(kwargs: dict[str, Any]) -> dict[str, Any]:
     kwargs["options"] = {**ours, **torch._inductor.list_mode_options(mode or "default", kwargs["dynamic"]),
                          **(kwargs.get("options") or {})}
     return kwargs
+
+
+#: Set while one of :func:`compile_backbone`'s graphs is traced and compiled (the backward too: with
+#: symbolic sizes AOT autograd compiles it in the forward's first call).
+_IN_BACKBONE_COMPILE: contextvars.ContextVar[bool] = contextvars.ContextVar("vtdense_backbone_compile", default=False)
+
+
+def _install_size_free_cpu_sums() -> bool:
+    """Make Inductor's C++ code generator keep a float ``sum`` over a symbolic length free of a size
+    guard, in :func:`compile_backbone`'s graphs only. Returns whether it is in place.
+
+    The generator sums more than 4096 floats with a chunked (cascade) accumulator and fewer with a
+    plain one, and asks ``length > 4096`` of the graph's sizes to choose: a guard, so a size on the
+    other side of 4096 rows compiles the whole graph again (Swin-T's training step at batch 2 on
+    the CPU: 512x768, then 640x800). Inside these graphs a symbolic length always gets the chunked
+    accumulator, the code every length over 4096 runs anyway; it sums any length, and a short one
+    as exactly as the plain form. Constant lengths, other reductions and every other compile keep
+    torch's choice. A torch without this method is left as it is.
+    """
+    try:
+        from torch._inductor.codegen.cpp import CppKernel
+    except ImportError:  # pragma: no cover - a torch without Inductor's C++ backend
+        return False
+    original = getattr(CppKernel, "need_use_acc_helper", None)
+    if original is None:
+        return False
+    if getattr(original, "_vtdense_size_free", False):
+        return True
+
+    @functools.wraps(original)
+    def need_use_acc_helper(self: Any, reduction_type: str, dtype: torch.dtype, use_scalar: bool) -> bool:
+        ranges, depth = getattr(self, "call_ranges", None), getattr(self, "reduction_depth", None)
+        if (_IN_BACKBONE_COMPILE.get() and reduction_type == "sum" and dtype == torch.float
+                and ranges is not None and depth is not None):
+            length = functools.reduce(operator.mul, ranges[depth:], 1)
+            if getattr(length, "free_symbols", None):
+                return True
+        return original(self, reduction_type, dtype, use_scalar)
+
+    need_use_acc_helper._vtdense_size_free = True  # type: ignore[attr-defined]
+    CppKernel.need_use_acc_helper = need_use_acc_helper
+    return True
 
 
 def _size_unit(part: nn.Module, size_divisible: int | None) -> int:
@@ -254,8 +299,14 @@ def _traced_with(compiled: Callable[..., Any], **config: Any) -> Callable[..., A
 
     @functools.wraps(compiled)
     def call(*args: Any, **kwargs: Any) -> Any:
-        with torch._dynamo.config.patch(**config), shape_config.patch(use_duck_shape=False):
-            return compiled(*args, **kwargs)
+        # (under an outer torch.compile, which traces this call, the flag is left alone)
+        token = None if torch.compiler.is_compiling() else _IN_BACKBONE_COMPILE.set(True)
+        try:
+            with torch._dynamo.config.patch(**config), shape_config.patch(use_duck_shape=False):
+                return compiled(*args, **kwargs)
+        finally:
+            if token is not None:
+                _IN_BACKBONE_COMPILE.reset(token)
 
     return call
 
