@@ -165,6 +165,83 @@ def test_a_swin_trains_through_the_kernels_in_tritons_interpreter(name: str) -> 
         assert r["out"] <= 1e-3 and r["grad"] <= 1e-3, r
 
 
+COMPILED_CHECK = textwrap.dedent("""
+    import copy, json, sys, torch
+    import vtdense
+    from torch._dynamo.utils import counters
+    from vtdense.layers import triton_window_attention as twa
+    from vtdense.models.compile import compile_backbone
+    launches = {"forward": 0, "backward": 0}
+    real_forward, real_backward = twa._launch_forward, twa._launch_backward
+    def forward(*a, **k):
+        launches["forward"] += 1
+        return real_forward(*a, **k)
+    def backward(*a, **k):
+        launches["backward"] += 1
+        return real_backward(*a, **k)
+    twa._launch_forward, twa._launch_backward = forward, backward
+    torch.manual_seed(0)
+    # two blocks in the first stage (plain and shifted), padded windows at both sizes
+    eager = vtdense.create_backbone(sys.argv[1], embed_dim=16, depths=(2, 1, 1, 1), num_heads=(1, 1, 1, 1),
+                                    drop_path_rate=0.0).train()
+    compiled = compile_backbone(copy.deepcopy(eager), "aot_eager", fullgraph=True)
+    def run(m, x, on):
+        m.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with twa.triton_window_attention(on):
+            out = m(xi)
+        sum((f * torch.linspace(-1, 1, f.numel()).view_as(f)).sum() for f in out.values()).backward()
+        return [f.detach() for f in out.values()], {n: p.grad for n, p in m.named_parameters()}, xi.grad
+    rows = []
+    for size in [(72, 100), (80, 108)]:
+        x = torch.randn(2, 3, *size)
+        launches.update(forward=0, backward=0)
+        out_c, grads_c, x_c = run(compiled, x, True)
+        seen = dict(launches)
+        out_e, grads_e, x_e = run(eager, x, False)
+        rows.append(dict(launches=seen, graphs=counters["stats"]["unique_graphs"],
+                         out=max((a - b).abs().max().item() for a, b in zip(out_c, out_e)),
+                         grad=max(((grads_c[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
+                                  for n, g in grads_e.items()),
+                         x_grad=((x_c - x_e).abs().max() / x_e.abs().max()).item()))
+    print(json.dumps(rows))
+""")
+
+
+@pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny"])
+def test_compiled_training_calls_the_kernels_as_ops(name: str) -> None:
+    """``compile_backbone`` (training, one graph at changing sizes) calls the kernels through the
+    custom ops ``vtdense::triton_window_attention`` and its backward, opaque to the compiler, in
+    every block: the forward and backward kernels launch once per block and step (and once for the
+    probe that admits the device), and the outputs
+    and every gradient are eager's default path's (float32; V2's cosine scores to 1e-4, as its
+    eager check). Before, graphs always took SDPA."""
+    rows = run_interpreted(COMPILED_CHECK.replace("sys.argv[1]", repr(name)))
+    bound = 1e-5 if name == "swin_tiny" else 1e-4
+    # 5 blocks a step; the first also launched the probe (once per device, while the graph was traced)
+    assert [r["launches"] for r in rows] == [{"forward": 6, "backward": 6}, {"forward": 5, "backward": 5}], rows
+    for r in rows:
+        assert r["graphs"] == 1, rows
+        assert r["out"] <= bound and r["grad"] <= bound and r["x_grad"] <= bound, rows
+
+
+def test_graphs_keep_sdpa_where_the_probe_launch_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled graph cannot fall back at run time, so graphs take the ops only where a probe launch
+    worked: a failing one is said once, in a warning naming the error, and the answer (no) is kept."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the CPU counts as the interpreter's device; nothing launches)
+    monkeypatch.setattr(twa, "_probed", {})
+    monkeypatch.setattr(twa, "_failed", None)
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("no ptxas here")
+
+    monkeypatch.setattr(twa, "_launch_forward", broken)
+    with pytest.warns(RuntimeWarning, match="no ptxas here.*compiled graphs"):
+        assert twa._usable_in_graphs("cpu", -1) is False
+    assert twa._usable_in_graphs("cpu", -1) is False and twa._failed is not None
+    assert twa._usable_in_graphs("cuda", 3) is False  # the failure holds for every device: SDPA everywhere
+
+
 def test_auto_by_default_and_only_where_the_kernels_fit() -> None:
     x = torch.randn(2, 3, 49, 64, requires_grad=True)
     assert twa.triton_window_attention_enabled() == "auto"
@@ -215,12 +292,12 @@ def test_the_kernels_compile_for_hopper(kernel: str, dtype: str, masked: bool, c
     if kernel == "forward":
         fn = fwd
         signature = {**common, "LSE": "*fp32", "LOGIT": logit, "nW": "i32", "N": "i32", "H": "i32", "scale": "fp32",
-                     "MASKED_VALUE": "fp32", "LOGIT_MAX": "fp32"}
+                     "MASKED_VALUE": "fp32", "LOGIT_MAX": "fp32", "LSE_ROW": "i32"}
     else:
         fn = bwd
         signature = {**common, "DOUT": t, "LSE": "*fp32", "DQKV": t, "DBIAS": "*fp32", "LOGIT": logit, "DLOGIT": logit,
                      "BW": "i32", "nW": "i32", "N": "i32", "H": "i32", "scale": "fp32", "MASKED_VALUE": "fp32",
-                     "LOGIT_MAX": "fp32", "WPP": "i32"}
+                     "LOGIT_MAX": "fp32", "WPP": "i32", "LSE_ROW": "i32"}
         consts.update(NEED_DBIAS=True)
     signature.update({k: "constexpr" for k in ("D", "BLOCK_N", "HAS_MASK", "PREC", "NEED_DBIAS", "UPCAST", "COSINE")
                       if k in consts})
@@ -354,7 +431,7 @@ def test_kernels_launch_on_their_tensors_device(monkeypatch: pytest.MonkeyPatch)
     from vtdense.layers import fused_norm, fused_norm_train
 
     for source in (inspect.getsource(fused_norm._run), inspect.getsource(fused_norm_train),
-                   inspect.getsource(twa._launch_forward), inspect.getsource(twa._WindowAttention.backward)):
+                   inspect.getsource(twa._launch_forward), inspect.getsource(twa._launch_backward)):
         assert "launch_device(" in source
 
 

@@ -37,9 +37,16 @@ attn_term` builds them, and give the bias no gradient.
 
 Where it applies (:func:`triton_window_attention_applies`): not switched off with
 :func:`set_triton_window_attention` (or :func:`triton_window_attention`), a gradient being recorded
-on a plain CUDA tensor (no graph being built), no attention dropout, windows of at most 64 tokens,
-a head width of 16, 32, 64 or 128, a float32 / bf16 / fp16 projection, a boolean mask. Its backward
-pass is not itself differentiable (no ``create_graph``).
+on a plain CUDA tensor, no attention dropout, windows of at most 64 tokens, a head width of 16, 32,
+64 or 128, a float32 / bf16 / fp16 projection, a boolean mask. Its backward pass is not itself
+differentiable (no ``create_graph``).
+
+In a graph ``torch.compile`` builds (``compile_backbone``'s included; not ``torch.export``'s) the
+kernels run as two custom ops, ``vtdense::triton_window_attention`` and
+``vtdense::triton_window_attention_backward``, opaque to the compiler (Inductor calls them as they
+are and fuses what lies around them), with shapes for symbolic sizes. Eager code can fall back to
+SDPA where a launch fails; a compiled graph cannot, so graphs take the ops only on a device where a
+small probe launch has worked (once per device and process, while the first graph is traced).
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -55,7 +62,7 @@ from torch.autograd.function import once_differentiable
 
 from vtdense.layers import fused_norm
 from vtdense.layers.scoped import is_auto_switch, scoped_setting
-from vtdense.layers.tracing import tracing
+from vtdense.layers.tracing import exporting, tracing
 from vtdense.layers.windows import mask_value
 
 __all__ = ["set_triton_window_attention", "triton_window_attention", "triton_window_attention_applies",
@@ -93,7 +100,7 @@ def _build() -> Any:
     import triton.language as tl
 
     @triton.jit
-    def _forward(QKV, BIAS, MASK, OUT, LSE, LOGIT, nW, N, H, scale, MASKED_VALUE, LOGIT_MAX,
+    def _forward(QKV, BIAS, MASK, OUT, LSE, LOGIT, nW, N, H, scale, MASKED_VALUE, LOGIT_MAX, LSE_ROW,
                  D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr, PREC: tl.constexpr,
                  UPCAST: tl.constexpr, COSINE: tl.constexpr):
         # one program: window bw (of B * nW), head hh; q, k, v at (bw, n, 0/1/2, hh, :) of (B*nW, N, 3, H, D)
@@ -135,11 +142,11 @@ def _build() -> Any:
         o = tl.dot(p, v, input_precision=PREC)
         out_offs = bw * N * C + rows[:, None] * C + hh * D + cols[None, :]
         tl.store(OUT + out_offs, o.to(OUT.dtype.element_ty), mask=lmask)
-        tl.store(LSE + (bw * H + hh) * BLOCK_N + rows, m + tl.log(denom))
+        tl.store(LSE + (bw * H + hh) * LSE_ROW + rows, m + tl.log(denom))
 
     @triton.jit
     def _backward(QKV, BIAS, MASK, OUT, DOUT, LSE, DQKV, DBIAS, LOGIT, DLOGIT, BW, nW, N, H, scale, MASKED_VALUE,
-                  LOGIT_MAX, WPP, D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
+                  LOGIT_MAX, WPP, LSE_ROW, D: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr,
                   PREC: tl.constexpr, NEED_DBIAS: tl.constexpr, UPCAST: tl.constexpr, COSINE: tl.constexpr):
         # one program: head hh, windows [chunk * WPP, (chunk + 1) * WPP) of B * nW (WPP a run-time
         # value: a new image size must not compile the kernel again)
@@ -167,7 +174,7 @@ def _build() -> Any:
             v = tl.load(QKV + offs + 2 * C, mask=lmask, other=0.0)
             o = tl.load(OUT + out_offs, mask=lmask, other=0.0)
             do = tl.load(DOUT + out_offs, mask=lmask, other=0.0)
-            lse = tl.load(LSE + (bw * H + hh) * BLOCK_N + rows, mask=rvalid & live, other=0.0)
+            lse = tl.load(LSE + (bw * H + hh) * LSE_ROW + rows, mask=rvalid & live, other=0.0)
             if COSINE:  # the forward's scaled q and k again, and what their gradients need
                 qf, kf = q.to(tl.float32), k.to(tl.float32)
                 nq = tl.sqrt(tl.sum(qf * qf, 1))
@@ -250,10 +257,13 @@ def triton_window_attention(enabled: bool | str) -> contextlib.AbstractContextMa
 
 def triton_window_attention_applies(x: Tensor, tokens: int, head_width: int, dropout: float) -> bool:
     """Whether :func:`window_attention` may run for the windows ``x`` ``(B, nW, N, C)`` of a block
-    in training (see the module's docstring). The caller also checks that its qkv projection's
-    output needs a gradient and has one of :data:`DTYPES`."""
-    if not _enabled or tracing():  # (first: graphs being built see nothing else of this check)
+    in training (see the module's docstring), in eager code or in a graph ``torch.compile`` builds.
+    The caller also checks that its qkv projection's output needs a gradient and has one of
+    :data:`DTYPES`."""
+    if not _enabled:
         return False
+    if tracing():  # (first: graphs being built see nothing else of this check)
+        return _applies_in_graph(x, tokens, head_width, dropout)
     interpreted = _interpreted(x)
     if type(x) is not Tensor or (x.device.type != "cuda" and not interpreted):
         return False
@@ -294,21 +304,53 @@ def _block(tokens: int) -> int:
 
 
 def _launch_forward(qkv: Tensor, bias: Tensor, masks: Tensor | None, scale: float, heads: int,
-                    logit: Tensor | None = None, logit_max: float = 0.0) -> tuple[Tensor, Tensor]:
-    """The forward kernel: ``(out (B, nW, N, C), lse (B * nW, heads, block) float32)`` (see
-    :func:`window_attention`; ``masks`` the mask's bytes, ``logit`` the ``(heads,)`` logit scale)."""
+                    logit: Tensor | None = None, logit_max: float = 0.0, lse_row: int | None = None) -> tuple[Tensor, Tensor]:
+    """The forward kernel: ``(out (B, nW, N, C), lse (B * nW, heads, lse_row) float32)`` (see
+    :func:`window_attention`; ``masks`` the mask's bytes, ``logit`` the ``(heads,)`` logit scale;
+    ``lse_row`` at least the kernels' tile side, which it is by default: the graphs' ops, whose
+    shapes may not depend on the tile side of a symbolic window, use :data:`MAX_WINDOW_TOKENS`)."""
     fwd = _build()[0]
     B, nW, N, C3 = qkv.shape
     C = C3 // 3
     block = _block(N)
     out = qkv.new_empty((B, nW, N, C))
-    lse = torch.empty((B * nW, heads, block), dtype=torch.float32, device=qkv.device)
+    lse = torch.empty((B * nW, heads, lse_row or block), dtype=torch.float32, device=qkv.device)
     if out.numel():
         with fused_norm.launch_device(qkv), _labelled(LABEL):
             fwd[(B * nW, heads)](qkv, bias, masks, out, lse, logit, nW, N, heads, scale, mask_value(), logit_max,
+                                 lse.shape[-1],
                                  D=C // heads, BLOCK_N=block, HAS_MASK=masks is not None, PREC=_precision(qkv),
                                  UPCAST=_upcast(qkv), COSINE=logit is not None, num_warps=4)
     return out, lse
+
+
+def _launch_backward(qkv: Tensor, bias: Tensor, masks: Tensor | None, out: Tensor, grad_out: Tensor, lse: Tensor,
+                     logit: Tensor | None, scale: float, heads: int, logit_max: float,
+                     need_bias: bool) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The backward kernel: ``(dqkv, grad_bias (heads, N, N) in bias's dtype or None, grad_logit
+    (heads,) float32 or None)`` from the forward's inputs (as :func:`_launch_forward` took them),
+    its output and row log-sum-exps, and the output's gradient."""
+    _, bwd, cdiv = _build()
+    B, nW, N, C3 = qkv.shape
+    BW = B * nW
+    block = _block(N)
+    grad_out = grad_out.to(out.dtype).contiguous()
+    per = max(1, cdiv(BW * heads, _BACKWARD_PROGRAMS))
+    chunks = cdiv(BW, per) if BW else 0
+    dqkv = torch.empty_like(qkv)
+    parts = torch.empty((heads, chunks, block, block) if need_bias else (1,), dtype=torch.float32, device=qkv.device)
+    logit_parts = torch.zeros((heads, chunks), dtype=torch.float32, device=qkv.device) if logit is not None else None
+    if chunks:
+        with fused_norm.launch_device(qkv), _labelled(LABEL + "_backward"):
+            bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, logit, logit_parts, BW, nW, N,
+                                 heads, scale, mask_value(), logit_max, per, lse.shape[-1], D=C3 // 3 // heads,
+                                 BLOCK_N=block, HAS_MASK=masks is not None, PREC=_precision(qkv),
+                                 NEED_DBIAS=need_bias, UPCAST=_upcast(qkv), COSINE=logit is not None,
+                                 num_warps=_BACKWARD_WARPS)
+    grad_bias = None
+    if need_bias:
+        grad_bias = (parts.sum(1)[:, :N, :N] if chunks else parts.new_zeros((heads, N, N))).to(bias.dtype)
+    return dqkv, grad_bias, logit_parts.sum(1) if logit_parts is not None else None
 
 
 class _WindowAttention(torch.autograd.Function):
@@ -330,31 +372,11 @@ class _WindowAttention(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, ...]:
-        _, bwd, cdiv = _build()
         qkv, bias, masks, out, lse, logit = ctx.saved_tensors
-        heads = ctx.heads
-        B, nW, N, C3 = qkv.shape
-        BW = B * nW
-        block = _block(N)
-        grad_out = grad_out.to(out.dtype).contiguous()
-        need_bias = ctx.needs_input_grad[1]
-        per = max(1, cdiv(BW * heads, _BACKWARD_PROGRAMS))
-        chunks = cdiv(BW, per) if BW else 0
-        dqkv = torch.empty_like(qkv)
-        parts = torch.empty((heads, chunks, block, block) if need_bias else (1,), dtype=torch.float32, device=qkv.device)
-        logit_parts = torch.zeros((heads, chunks), dtype=torch.float32, device=qkv.device) if logit is not None else None
-        if chunks:
-            with fused_norm.launch_device(qkv), _labelled(LABEL + "_backward"):
-                bwd[(heads, chunks)](qkv, bias, masks, out, grad_out, lse, dqkv, parts, logit, logit_parts, BW, nW, N,
-                                     heads, ctx.scale, mask_value(), ctx.logit_max, per, D=C3 // 3 // heads,
-                                     BLOCK_N=block, HAS_MASK=masks is not None, PREC=_precision(qkv),
-                                     NEED_DBIAS=need_bias, UPCAST=_upcast(qkv), COSINE=logit is not None,
-                                     num_warps=_BACKWARD_WARPS)
-        grad_bias = grad_logit = None
-        if need_bias:
-            grad_bias = (parts.sum(1)[:, :N, :N] if chunks else parts.new_zeros((heads, N, N))).to(bias.dtype)
-        if logit is not None and ctx.needs_input_grad[5]:
-            grad_logit = logit_parts.sum(1).view(ctx.logit_shape).to(logit.dtype)  # type: ignore[union-attr]
+        need_bias, need_logit = ctx.needs_input_grad[1], logit is not None and ctx.needs_input_grad[5]
+        dqkv, grad_bias, grad_logit = _launch_backward(qkv, bias, masks, out, grad_out, lse, logit, ctx.scale,
+                                                       ctx.heads, ctx.logit_max, need_bias)
+        grad_logit = grad_logit.view(ctx.logit_shape).to(logit.dtype) if need_logit else None
         return dqkv if ctx.needs_input_grad[0] else None, grad_bias, None, None, None, grad_logit, None
 
 
@@ -382,6 +404,8 @@ def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: floa
         (the caller's other path runs).
     """
     global _failed
+    if torch.compiler.is_compiling():  # (only where _applies_in_graph said so: the ops, opaque to the compiler)
+        return torch.ops.vtdense.triton_window_attention(qkv, bias, mask, scale, heads, logit_scale, logit_max)[0]
     try:
         return _WindowAttention.apply(qkv, bias, mask, scale, heads, logit_scale, logit_max)
     except torch.cuda.OutOfMemoryError:
@@ -391,3 +415,122 @@ def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: floa
         warnings.warn(f"vtdense: the Triton window attention failed on this machine ({_failed}); Swin's "
                       "training attention takes the SDPA path from now on", RuntimeWarning, stacklevel=2)
         return None
+
+
+# In compiled graphs (``torch.compile``, ``compile_backbone``; not ``torch.export``): the kernels as two
+# custom ops, opaque to the compiler, whose fake forms give the shapes for symbolic sizes. The
+# autograd function above serves eager code, where a failed launch falls back to SDPA; a compiled
+# graph cannot fall back, so a graph takes the ops only where a probe launch has worked on its device.
+
+_probed: dict[tuple[str, int], bool] = {}
+
+
+@torch.compiler.assume_constant_result
+def _usable_in_graphs(device_type: str, index: int) -> bool:
+    """Whether graphs for ``device_type`` (``index``: -1 for the current one) may call the kernels:
+    a CUDA GPU whose Triton runs them (or Triton's CPU interpreter), shown by one small forward and
+    backward launch, done once per device while the first graph is traced. A probe that fails is
+    said once, in a warning, and the graphs keep the SDPA path."""
+    global _failed
+    key = (device_type, index)
+    if key in _probed:
+        return _probed[key]
+    device = torch.device(device_type, index) if index >= 0 else torch.device(device_type)
+    ok = False
+    if device_type == "cpu":  # (Triton's CPU interpreter: the tests')
+        eligible = _failed is None and os.environ.get("TRITON_INTERPRET") == "1"
+    else:
+        eligible = device_type == "cuda" and _failed is None and fused_norm._usable_on(device)
+    if eligible:
+        try:
+            qkv = torch.randn(1, 1, 4, 3 * 16, device=device, dtype=torch.bfloat16)
+            bias = torch.zeros(1, 4, 4, device=device)
+            out, lse = _launch_forward(qkv, bias, None, 0.25, 1)
+            _launch_backward(qkv, bias, None, out, torch.ones_like(out), lse, None, 0.25, 1, 0.0, True)
+            if device_type == "cuda":
+                torch.cuda.synchronize(device)
+            ok = True
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 (any failure of Triton's: the graphs keep SDPA, said once)
+            _failed = fused_norm.failure_text(err)
+            warnings.warn(f"vtdense: the Triton window attention failed on this machine ({_failed}); compiled "
+                          "graphs and eager code take the SDPA path", RuntimeWarning, stacklevel=2)
+    _probed[key] = ok
+    return ok
+
+
+def _applies_in_graph(x: Tensor, tokens: int, head_width: int, dropout: float) -> bool:
+    """:func:`triton_window_attention_applies` while a graph is built: ``torch.compile`` (not
+    ``torch.export``, whose graphs must run without vtdense's ops), recording a gradient, with no
+    attention dropout, windows and heads the kernels take, on a device where they run."""
+    if not torch.compiler.is_compiling() or exporting() or not torch.is_grad_enabled() or dropout:
+        return False
+    if tokens > MAX_WINDOW_TOKENS or head_width not in _HEAD_WIDTHS:
+        return False
+    return _usable_in_graphs(x.device.type, -1 if x.device.index is None else x.device.index)
+
+
+@torch.library.custom_op("vtdense::triton_window_attention", mutates_args=())
+def _attention_op(qkv: Tensor, bias: Tensor, mask: Optional[Tensor], scale: float, heads: int,
+                  logit_scale: Optional[Tensor], logit_max: float) -> tuple[Tensor, Tensor]:
+    """:func:`window_attention`'s forward as an op: ``(out (B, nW, N, C), lse (B * nW, heads, block) float32)``."""
+    masks = mask.contiguous().view(torch.uint8) if mask is not None else None
+    logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
+    return _launch_forward(qkv.contiguous(), bias.contiguous(), masks, scale, heads, logit, logit_max,
+                           lse_row=MAX_WINDOW_TOKENS)
+
+
+@_attention_op.register_fake
+def _(qkv: Tensor, bias: Tensor, mask: Optional[Tensor], scale: float, heads: int,
+      logit_scale: Optional[Tensor], logit_max: float) -> tuple[Tensor, Tensor]:
+    B, nW, N, C3 = qkv.shape
+    out = qkv.new_empty((B, nW, N, C3 // 3))
+    return out, qkv.new_empty((B * nW, heads, MAX_WINDOW_TOKENS), dtype=torch.float32)
+
+
+@torch.library.custom_op("vtdense::triton_window_attention_backward", mutates_args=())
+def _attention_backward_op(grad_out: Tensor, qkv: Tensor, bias: Tensor, mask: Optional[Tensor], out: Tensor,
+                           lse: Tensor, logit_scale: Optional[Tensor], scale: float, heads: int, logit_max: float,
+                           need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward op: ``(dqkv, grad_bias (heads, N, N) or empty, grad_logit (heads,) float32 or empty)``."""
+    masks = mask.contiguous().view(torch.uint8) if mask is not None else None
+    logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
+    dqkv, grad_bias, grad_logit = _launch_backward(qkv.contiguous(), bias.contiguous(), masks, out.contiguous(),
+                                                   grad_out, lse, logit, scale, heads, logit_max, need_bias)
+    empty = qkv.new_empty((0,), dtype=torch.float32)
+    # (the bias gradient is a slice of the padded block sums: made contiguous, as the fake form says)
+    grad_bias = grad_bias.contiguous() if grad_bias is not None else bias.new_empty((0,))
+    return dqkv, grad_bias, grad_logit if grad_logit is not None else empty
+
+
+@_attention_backward_op.register_fake
+def _(grad_out: Tensor, qkv: Tensor, bias: Tensor, mask: Optional[Tensor], out: Tensor, lse: Tensor,
+      logit_scale: Optional[Tensor], scale: float, heads: int, logit_max: float,
+      need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    N = qkv.shape[2]
+    grad_bias = bias.new_empty((heads, N, N) if need_bias else (0,))
+    grad_logit = qkv.new_empty((heads,) if logit_scale is not None else (0,), dtype=torch.float32)
+    return torch.empty_like(qkv, memory_format=torch.contiguous_format), grad_bias, grad_logit
+
+
+def _attention_op_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    qkv, bias, mask, scale, heads, logit_scale, logit_max = inputs
+    ctx.save_for_backward(qkv, bias, mask, output[0], output[1], logit_scale)
+    ctx.scale, ctx.heads, ctx.logit_max = scale, heads, logit_max
+
+
+def _attention_op_backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+    qkv, bias, mask, out, lse, logit_scale = ctx.saved_tensors
+    need_bias = ctx.needs_input_grad[1]
+    dqkv, grad_bias, grad_logit = torch.ops.vtdense.triton_window_attention_backward(
+        grad_out, qkv, bias, mask, out, lse, logit_scale, ctx.scale, ctx.heads, ctx.logit_max, need_bias)
+    if logit_scale is not None and ctx.needs_input_grad[5]:
+        grad_logit = grad_logit.view(logit_scale.shape).to(logit_scale.dtype)
+    else:
+        grad_logit = None
+    return (dqkv if ctx.needs_input_grad[0] else None, grad_bias if need_bias else None, None, None, None,
+            grad_logit, None)
+
+
+_attention_op.register_autograd(_attention_op_backward, setup_context=_attention_op_setup)
