@@ -13,14 +13,14 @@
 #                                                   # (`triton-attn`, never timed before): its check and backward sweep,
 #                                                   # host_split and the training rows with it, then compile_backbone's
 #                                                   # cells graph against the any-size graph on the GPU (Swin-T)
-#   bash benchmarks/gpu_session.sh verify [TOTAL]   # one call (default 540 s) after the fifth H200 session: the Triton
-#                                                   # attention's check at its new backward settings, the trailing training rows with the Triton attention default (TF32 detector row
-#                                                   # included), then compile_backbone's Swin-T training at three sizes in
-#                                                   # whole cells with recompile reasons logged (expected: one graph;
-#                                                   # compile phases printed), then, where 200 s remain, the compiled
-#                                                   # Swin-T training step against timm fused compiled (the Triton
-#                                                   # attention now in compiled graphs), then, where 90 s remain,
-#                                                   # MViTv2-T's first compiled training step
+#   bash benchmarks/gpu_session.sh verify [TOTAL]   # one call (default 540 s) after the fifth H200 session, each step
+#                                                   # where its time remains: compile_backbone's Swin-T training at
+#                                                   # three sizes in whole cells with recompile reasons and compile
+#                                                   # phases logged (expected: one graph), the compiled Swin-T training
+#                                                   # step against timm fused compiled (the Triton attention now in
+#                                                   # compiled graphs), the trailing eager training rows (TF32 detector
+#                                                   # row included), the Triton attention's check at its backward
+#                                                   # settings, MViTv2-T's first compiled training step
 #   bash benchmarks/gpu_session.sh focus [TOTAL]    # a second call (default 480 s): the Triton LayerNorm and
 #                                                   # recomputation checks, the rows where vtdense trailed
 #                                                   # (with their switches' contenders), then the compiled
@@ -98,36 +98,33 @@ if [ "$mode" = check ]; then
     step attention_kernels timeout 120 python3 benchmarks/attention_kernels.py --device cuda --dtype bf16
 elif [ "$mode" = verify ]; then
     total=${2:-540}
-    # the kernels' values again at the backward's new default (512 programs x 4 warps: timed, not checked)
-    step attn timeout 100 python3 benchmarks/triton_attention_check.py --device cuda
+    # (files back: env.txt and at most 7 more; run.py's table is in each run's log)
+    left_for() {  # left_for NAME NEEDED: the seconds left for step NAME, or 0 (and a line) when under NEEDED
+        local left=$((total - SECONDS - 10))
+        if [ $left -ge "$2" ]; then echo $left; else echo "== $1: left out, $left s of the $total s remain" >&2; echo 0; fi
+    }
+    # 1. compile_backbone's Swin-T training at three sizes in whole cells (expected: one graph, the mix-order
+    #    checks off; compile phases printed; the Triton window attention as custom ops, against eager's kernels)
+    left=$(left_for cells 60)
+    [ "$left" -gt 0 ] && step cells env TORCH_LOGS=recompiles timeout $left python3 benchmarks/compile_train_sizes.py \
+        --device cuda --full --families swin --backend inductor --sizes 512x768 640x800 480x736
+    # 2. the compiled Swin-T training step against timm fused compiled (before the ops: 26.0 against 20.9 ms, 0.80x)
+    left=$(left_for compiled 200)
+    [ "$left" -gt 0 ] && step compiled timeout $left python3 benchmarks/run.py --device cuda --full --no-extras \
+        --only '^Swin-T train step, batch 8 at 512x768, bf16, compiled$' --budget $((left - 30))
+    # 3. the eager training rows with the Triton attention default (the TF32 detector row included)
     rows='^Swin-T train step, batch 8 at 512x768, bf16$|^SwinV2-T train step, batch 8 at 512x768, bf16$|published heads train step \(AdamW\), batch 2 at 800x1333, (bf16|TF32)$'
-    step bench timeout 170 python3 benchmarks/run.py --device cuda --full --no-compile --no-extras --only "$rows" --budget 120
+    left=$(left_for bench 120)
+    [ "$left" -gt 0 ] && step bench timeout $((left < 170 ? left : 170)) python3 benchmarks/run.py --device cuda --full \
+        --no-compile --no-extras --only "$rows" --budget $((left < 170 ? left - 50 : 120))
     cp benchmarks/results-cuda.json benchmarks/RESULTS.md "$out/" 2>/dev/null
-    left=$((total - SECONDS - 10))
-    if [ $left -ge 60 ]; then
-        step cells env TORCH_LOGS=recompiles timeout $left python3 benchmarks/compile_train_sizes.py --device cuda --full \
-            --families swin --backend inductor --sizes 512x768 640x800 480x736
-    else
-        echo "== cells: left out, $left s of the $total s remain"
-    fi
-    # the compiled Swin-T training step, timed against timm fused compiled (2026-11-27 evening: compiled graphs call
-    # the Triton window attention as custom ops; before, they took SDPA: 26.0 against 20.9 ms, 0.80x)
-    left=$((total - SECONDS - 10))
-    if [ $left -ge 200 ]; then
-        step compiled timeout $left python3 benchmarks/run.py --device cuda --full --no-extras \
-            --only '^Swin-T train step, batch 8 at 512x768, bf16, compiled$' --budget $((left - 30))
-        cp benchmarks/RESULTS.md "$out/RESULTS-compiled.md" 2>/dev/null
-    else
-        echo "== compiled: left out, $left s of the $total s remain"
-    fi
-    # MViTv2-T's first compiled training step with its pooling as one opaque op (2026-11-27: 264 s on the 2-core CPU)
-    left=$((total - SECONDS - 10))
-    if [ $left -ge 90 ]; then
-        step mvit_compile timeout $left python3 benchmarks/compile_first.py --device cuda --families "mvitv2_t windows" \
-            --backends inductor --modes train --hows compile_backbone
-    else
-        echo "== mvit_compile: left out, $left s of the $total s remain"
-    fi
+    # 4. the kernels' values at the backward's default (512 programs x 4 warps: timed, not checked)
+    left=$(left_for attn 100)
+    [ "$left" -gt 0 ] && step attn timeout 100 python3 benchmarks/triton_attention_check.py --device cuda
+    # 5. MViTv2-T's first compiled training step with its pooling as one opaque op (2026-11-27: 264 s on the 2-core CPU)
+    left=$(left_for mvit_compile 90)
+    [ "$left" -gt 0 ] && step mvit_compile timeout $left python3 benchmarks/compile_first.py --device cuda \
+        --families "mvitv2_t windows" --backends inductor --modes train --hows compile_backbone
 elif [ "$mode" = attn ]; then
     total=${2:-540}
     step attn timeout 100 python3 benchmarks/triton_attention_check.py --device cuda
