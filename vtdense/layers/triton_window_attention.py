@@ -474,7 +474,8 @@ def _applies_in_graph(x: Tensor, tokens: int, head_width: int, dropout: float) -
 @torch.library.custom_op("vtdense::triton_window_attention", mutates_args=())
 def _attention_op(qkv: Tensor, bias: Tensor, mask: Optional[Tensor], scale: float, heads: int,
                   logit_scale: Optional[Tensor], logit_max: float) -> tuple[Tensor, Tensor]:
-    """:func:`window_attention`'s forward as an op: ``(out (B, nW, N, C), lse (B * nW, heads, block) float32)``."""
+    """:func:`window_attention`'s forward as an op: ``(out (B, nW, N, C), lse (B * nW, heads, 64) float32)``
+    (the log-sum-exps' rows :data:`MAX_WINDOW_TOKENS` long at every window size)."""
     masks = mask.contiguous().view(torch.uint8) if mask is not None else None
     logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
     return _launch_forward(qkv.contiguous(), bias.contiguous(), masks, scale, heads, logit, logit_max,
