@@ -314,7 +314,9 @@ def _launch_forward(qkv: Tensor, bias: Tensor, masks: Tensor | None, scale: floa
     C = C3 // 3
     block = _block(N)
     out = qkv.new_empty((B, nW, N, C))
-    lse = torch.empty((B * nW, heads, lse_row or block), dtype=torch.float32, device=qkv.device)
+    row = lse_row or block
+    # (the kernel writes a row's first `block` entries; any beyond are zeros, so that the op's output is defined)
+    lse = (torch.zeros if row > block else torch.empty)((B * nW, heads, row), dtype=torch.float32, device=qkv.device)
     if out.numel():
         with fused_norm.launch_device(qkv), _labelled(LABEL):
             fwd[(B * nW, heads)](qkv, bias, masks, out, lse, logit, nW, N, heads, scale, mask_value(), logit_max,
