@@ -18,6 +18,11 @@ Usage::
     python benchmarks/compile_train_sizes.py --families "mvitv2 windows" --backend inductor
     python benchmarks/compile_train_sizes.py --families swin --backend aot_eager --sizes 160x192 192x256
     python benchmarks/compile_train_sizes.py --device cuda --full --sizes 512x768 640x800 480x736
+    TRITON_INTERPRET=1 python benchmarks/compile_train_sizes.py --gpu-path --families swin --sizes 64x96
+
+``--gpu-path`` compiles, on the CPU, the graph a GPU would (attention inputs in the GPU's layout; with
+``TRITON_INTERPRET=1`` the Triton window attention's graph ops, run in Triton's interpreter): Inductor's
+lowering, where the shapes' symbolic strides are sorted, is the same for both devices.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import time
 from typing import Any
 
@@ -108,7 +114,20 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     p.add_argument("--full", action="store_true", help="the published tiny configs instead of the tests' 16-channel ones")
     p.add_argument("--size-divisible", type=int, default=None,
                    help="compile_backbone's size_divisible (default: the backbone's deepest stride; 1: one graph for all sizes)")
+    p.add_argument("--gpu-path", action="store_true",
+                   help="on the CPU, trace what a GPU compiles: attention inputs laid out as on a GPU, and with "
+                        "TRITON_INTERPRET=1 Swin's Triton window attention (its graph ops) run in Triton's interpreter "
+                        "in float32")
     args = parsed_with_device(p, argv)
+    if args.gpu_path:
+        if args.device != "cpu":
+            p.error("--gpu-path: for --device cpu (a GPU takes its own path)")
+        import vtdense.layers.attention as attention_mod
+        from vtdense.layers import triton_window_attention as twa
+
+        attention_mod._GPU_LAYOUT_ON_CPU = True
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            twa.set_triton_window_attention(True)
     if args.batch < 1:
         p.error(f"--batch {args.batch}: must be at least 1")
     if args.size_divisible is not None and args.size_divisible < 1:

@@ -407,7 +407,9 @@ def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: floa
     """
     global _failed
     if torch.compiler.is_compiling():  # (only where _applies_in_graph said so: the ops, opaque to the compiler)
-        return torch.ops.vtdense.triton_window_attention(qkv, bias, mask, scale, heads, logit_scale, logit_max)[0]
+        rows = qkv.reshape(-1, qkv.shape[-1])
+        return torch.ops.vtdense.triton_window_attention(rows, list(qkv.shape[:3]), bias, mask, scale, heads,
+                                                         logit_scale, logit_max)[0]
     try:
         return _WindowAttention.apply(qkv, bias, mask, scale, heads, logit_scale, logit_max)
     except torch.cuda.OutOfMemoryError:
@@ -423,6 +425,11 @@ def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: floa
 # custom ops, opaque to the compiler, whose fake forms give the shapes for symbolic sizes. The
 # autograd function above serves eager code, where a failed launch falls back to SDPA; a compiled
 # graph cannot fall back, so a graph takes the ops only where a probe launch has worked on its device.
+# The ops take the qkv projection as its ``(B * nW * N, 3C)`` rows and the window shape ``[B, nW, N]``
+# apart: the forward saves its input for the backward, and a saved ``(B, nW, N, 3C)`` view of the
+# projection's output has strides in the window count, a product of ceiling divisions of the sizes,
+# which Inductor orders with sympy alone and cannot (it stopped the cells graph: "cannot determine
+# truth value of Relational: 96*(((-8*s74)//7))*(((-8*s81)//7)) < ..."); the rows' strides are constants.
 
 _probed: dict[tuple[str, int], bool] = {}
 
@@ -474,21 +481,22 @@ def _applies_in_graph(x: Tensor, tokens: int, head_width: int, dropout: float) -
 
 
 @torch.library.custom_op("vtdense::triton_window_attention", mutates_args=())
-def _attention_op(qkv: Tensor, bias: Tensor, mask: Optional[Tensor], scale: float, heads: int,
+def _attention_op(qkv: Tensor, shape: list[int], bias: Tensor, mask: Optional[Tensor], scale: float, heads: int,
                   logit_scale: Optional[Tensor], logit_max: float) -> tuple[Tensor, Tensor]:
-    """:func:`window_attention`'s forward as an op: ``(out (B, nW, N, C), lse (B * nW, heads, 64) float32)``
-    (the log-sum-exps' rows :data:`MAX_WINDOW_TOKENS` long at every window size)."""
+    """:func:`window_attention`'s forward as an op, on the projection's ``(B * nW * N, 3C)`` rows and
+    ``shape = [B, nW, N]``: ``(out (B, nW, N, C), lse (B * nW, heads, 64) float32)`` (the log-sum-exps'
+    rows :data:`MAX_WINDOW_TOKENS` long at every window size)."""
     masks = mask.contiguous().view(torch.uint8) if mask is not None else None
     logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
-    return _launch_forward(qkv.contiguous(), bias.contiguous(), masks, scale, heads, logit, logit_max,
-                           lse_row=MAX_WINDOW_TOKENS)
+    return _launch_forward(qkv.contiguous().view(*shape, -1), bias.contiguous(), masks, scale, heads, logit,
+                           logit_max, lse_row=MAX_WINDOW_TOKENS)
 
 
 @_attention_op.register_fake
-def _(qkv: Tensor, bias: Tensor, mask: Optional[Tensor], scale: float, heads: int,
+def _(qkv: Tensor, shape: list[int], bias: Tensor, mask: Optional[Tensor], scale: float, heads: int,
       logit_scale: Optional[Tensor], logit_max: float) -> tuple[Tensor, Tensor]:
-    B, nW, N, C3 = qkv.shape
-    out = qkv.new_empty((B, nW, N, C3 // 3))
+    B, nW, N = shape
+    out = qkv.new_empty((B, nW, N, qkv.shape[-1] // 3))
     return out, qkv.new_empty((B * nW, heads, MAX_WINDOW_TOKENS), dtype=torch.float32)
 
 
@@ -496,43 +504,45 @@ def _(qkv: Tensor, bias: Tensor, mask: Optional[Tensor], scale: float, heads: in
 def _attention_backward_op(grad_out: Tensor, qkv: Tensor, bias: Tensor, mask: Optional[Tensor], out: Tensor,
                            lse: Tensor, logit_scale: Optional[Tensor], scale: float, heads: int, logit_max: float,
                            need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward op: ``(dqkv, grad_bias (heads, N, N) or empty, grad_logit (heads,) float32 or empty)``."""
+    """The backward op, on the forward op's inputs (``qkv`` as its rows), output and log-sum-exps:
+    ``(dqkv rows, grad_bias (heads, N, N) or empty, grad_logit (heads,) float32 or empty)``."""
     masks = mask.contiguous().view(torch.uint8) if mask is not None else None
     logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
-    dqkv, grad_bias, grad_logit = _launch_backward(qkv.contiguous(), bias.contiguous(), masks, out.contiguous(),
-                                                   grad_out, lse, logit, scale, heads, logit_max, need_bias)
+    out = out.contiguous()
+    dqkv, grad_bias, grad_logit = _launch_backward(qkv.contiguous().view(*out.shape[:3], -1), bias.contiguous(), masks,
+                                                   out, grad_out, lse, logit, scale, heads, logit_max, need_bias)
     empty = qkv.new_empty((0,), dtype=torch.float32)
     # (the bias gradient is a slice of the padded block sums: made contiguous, as the fake form says)
     grad_bias = grad_bias.contiguous() if grad_bias is not None else bias.new_empty((0,))
-    return dqkv, grad_bias, grad_logit if grad_logit is not None else empty
+    return dqkv.view(qkv.shape), grad_bias, grad_logit if grad_logit is not None else empty
 
 
 @_attention_backward_op.register_fake
 def _(grad_out: Tensor, qkv: Tensor, bias: Tensor, mask: Optional[Tensor], out: Tensor, lse: Tensor,
       logit_scale: Optional[Tensor], scale: float, heads: int, logit_max: float,
       need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    N = qkv.shape[2]
+    N = out.shape[2]
     grad_bias = bias.new_empty((heads, N, N) if need_bias else (0,))
     grad_logit = qkv.new_empty((heads,) if logit_scale is not None else (0,), dtype=torch.float32)
-    return torch.empty_like(qkv, memory_format=torch.contiguous_format), grad_bias, grad_logit
+    return qkv.new_empty(qkv.shape), grad_bias, grad_logit
 
 
 def _attention_op_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
-    qkv, bias, mask, scale, heads, logit_scale, logit_max = inputs
+    qkv, _, bias, mask, scale, heads, logit_scale, logit_max = inputs
     ctx.save_for_backward(qkv, bias, mask, output[0], output[1], logit_scale)
     ctx.scale, ctx.heads, ctx.logit_max = scale, heads, logit_max
 
 
 def _attention_op_backward(ctx: Any, grad_out: Tensor, _grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
     qkv, bias, mask, out, lse, logit_scale = ctx.saved_tensors
-    need_bias = ctx.needs_input_grad[1]
+    need_bias = ctx.needs_input_grad[2]
     dqkv, grad_bias, grad_logit = torch.ops.vtdense.triton_window_attention_backward(
         grad_out, qkv, bias, mask, out, lse, logit_scale, ctx.scale, ctx.heads, ctx.logit_max, need_bias)
-    if logit_scale is not None and ctx.needs_input_grad[5]:
+    if logit_scale is not None and ctx.needs_input_grad[6]:
         grad_logit = grad_logit.view(logit_scale.shape).to(logit_scale.dtype)
     else:
         grad_logit = None
-    return (dqkv if ctx.needs_input_grad[0] else None, grad_bias if need_bias else None, None, None, None,
+    return (dqkv if ctx.needs_input_grad[0] else None, None, grad_bias if need_bias else None, None, None, None,
             grad_logit, None)
 
 
