@@ -10,6 +10,7 @@ and their count on fake CUDA are checked in this process."""
 
 from __future__ import annotations
 
+import tempfile
 import textwrap
 
 import pytest
@@ -285,8 +286,12 @@ def test_inductor_lowers_the_gpu_training_graph_with_the_ops() -> None:
     the cells graph's training step as a GPU would build it, the ops included. With the ops taking
     the projection as ``(B, nW, N, 3C)`` it stopped there: "cannot determine truth value of
     Relational: 96*(((-8*s74)//7))*(((-8*s81)//7)) < ..." (a window-count stride sympy cannot order);
-    they take its rows now."""
-    assert run_interpreted(LOWERING_CHECK) == "lowered"
+    they take its rows now. (Which tensors the partitioner saves follows Python's hash seed, so on
+    that first version this check failed in some runs, not all; Swin-T's full graph failed in each
+    of two runs: ``TRITON_INTERPRET=1 python benchmarks/compile_train_sizes.py --gpu-path --full
+    --families swin --sizes 256x384``.) An Inductor cache of its own: a cached graph is not lowered again."""
+    with tempfile.TemporaryDirectory() as cache:
+        assert run_interpreted(LOWERING_CHECK, TORCHINDUCTOR_CACHE_DIR=cache) == "lowered"
 
 
 def test_compiled_training_calls_the_kernels_as_ops() -> None:

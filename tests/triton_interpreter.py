@@ -12,11 +12,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_interpreted(code: str, timeout: int = 300) -> Any:
+def run_interpreted(code: str, timeout: int = 300, **env_vars: str) -> Any:
     """Run ``code`` in a fresh Python with ``TRITON_INTERPRET=1`` (set before Triton is imported,
-    hence the subprocess) from the repository's root; return the JSON of its last output line. A
-    failure raises with the end of its stderr."""
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    hence the subprocess) and ``env_vars`` from the repository's root; return the JSON of its last
+    output line. A failure raises with the end of its stderr."""
+    env = dict(os.environ, TRITON_INTERPRET="1", **env_vars)
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
