@@ -355,6 +355,13 @@ def _launch_backward(qkv: Tensor, bias: Tensor, masks: Tensor | None, out: Tenso
     return dqkv, grad_bias, logit_parts.sum(1) if logit_parts is not None else None
 
 
+def _kernel_operands(mask: Tensor | None, logit_scale: Tensor | None, heads: int) -> tuple[Tensor | None, Tensor | None]:
+    """The mask's bytes and the ``(heads,)`` logit scale, as the kernels read them (``None`` stays ``None``)."""
+    masks = mask.contiguous().view(torch.uint8) if mask is not None else None
+    logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
+    return masks, logit
+
+
 class _WindowAttention(torch.autograd.Function):
     """See :func:`window_attention`."""
 
@@ -363,8 +370,7 @@ class _WindowAttention(torch.autograd.Function):
                 logit_scale: Tensor | None, logit_max: float) -> Tensor:
         qkv = qkv.contiguous()
         bias = bias.contiguous()
-        masks = mask.contiguous().view(torch.uint8) if mask is not None else None
-        logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
+        masks, logit = _kernel_operands(mask, logit_scale, heads)
         out, lse = _launch_forward(qkv, bias, masks, scale, heads, logit, logit_max)
         ctx.save_for_backward(qkv, bias, masks, out, lse, logit)
         ctx.scale, ctx.heads, ctx.logit_max = scale, heads, logit_max
@@ -486,8 +492,7 @@ def _attention_op(qkv: Tensor, shape: list[int], bias: Tensor, mask: Optional[Te
     """:func:`window_attention`'s forward as an op, on the projection's ``(B * nW * N, 3C)`` rows and
     ``shape = [B, nW, N]``: ``(out (B, nW, N, C), lse (B * nW, heads, 64) float32)`` (the log-sum-exps'
     rows :data:`MAX_WINDOW_TOKENS` long at every window size)."""
-    masks = mask.contiguous().view(torch.uint8) if mask is not None else None
-    logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
+    masks, logit = _kernel_operands(mask, logit_scale, heads)
     return _launch_forward(qkv.contiguous().view(*shape, -1), bias.contiguous(), masks, scale, heads, logit,
                            logit_max, lse_row=MAX_WINDOW_TOKENS)
 
@@ -506,15 +511,15 @@ def _attention_backward_op(grad_out: Tensor, qkv: Tensor, bias: Tensor, mask: Op
                            need_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     """The backward op, on the forward op's inputs (``qkv`` as its rows), output and log-sum-exps:
     ``(dqkv rows, grad_bias (heads, N, N) or empty, grad_logit (heads,) float32 or empty)``."""
-    masks = mask.contiguous().view(torch.uint8) if mask is not None else None
-    logit = logit_scale.reshape(heads).contiguous() if logit_scale is not None else None
+    masks, logit = _kernel_operands(mask, logit_scale, heads)
     out = out.contiguous()
     dqkv, grad_bias, grad_logit = _launch_backward(qkv.contiguous().view(*out.shape[:3], -1), bias.contiguous(), masks,
                                                    out, grad_out, lse, logit, scale, heads, logit_max, need_bias)
-    empty = qkv.new_empty((0,), dtype=torch.float32)
     # (the bias gradient is a slice of the padded block sums: made contiguous, as the fake form says)
     grad_bias = grad_bias.contiguous() if grad_bias is not None else bias.new_empty((0,))
-    return dqkv.view(qkv.shape), grad_bias, grad_logit if grad_logit is not None else empty
+    if grad_logit is None:
+        grad_logit = qkv.new_empty((0,), dtype=torch.float32)
+    return dqkv.view(qkv.shape), grad_bias, grad_logit
 
 
 @_attention_backward_op.register_fake
