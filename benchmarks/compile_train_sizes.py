@@ -19,6 +19,11 @@ Usage::
     python benchmarks/compile_train_sizes.py --families swin --backend aot_eager --sizes 160x192 192x256
     python benchmarks/compile_train_sizes.py --device cuda --full --sizes 512x768 640x800 480x736
     TRITON_INTERPRET=1 python benchmarks/compile_train_sizes.py --gpu-path --families swin --sizes 64x96
+    python benchmarks/compile_train_sizes.py --full --families swin-s --sizes 512x768 --steps 5 [--flat]
+
+``--flat`` compiles the blocks inline rather than as nested compile regions (a stage's matching
+blocks compiled once; ``vtdense.backbones.base.set_compile_regions``); ``swin-s`` (Swin-S's 18-block
+stage) is where that differs most.
 
 ``--gpu-path`` compiles, on the CPU, the graph a GPU would (attention inputs in the GPU's layout; with
 ``TRITON_INTERPRET=1`` the Triton window attention's graph ops, run in Triton's interpreter): Inductor's
@@ -31,6 +36,7 @@ import argparse
 import contextlib
 import copy
 import os
+import statistics
 import time
 from typing import Any
 
@@ -41,12 +47,14 @@ from common import compile_phases, compile_script_options, error_line, hw_size, 
 TINY: dict[str, tuple[str, dict[str, Any]]] = {
     "swin": ("swin_tiny", dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4)),
     "swinv2": ("swinv2_tiny", dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4)),
+    "swin-s": ("swin_small", dict(embed_dim=16, depths=(1, 1, 6, 1), num_heads=(1, 2, 2, 4), window_size=4)),
     "mvitv2 global": ("mvitv2_tiny", dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1)),
     "mvitv2 windows": ("mvitv2_tiny", dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, window_size=8)),
 }
 FULL: dict[str, tuple[str, dict[str, Any]]] = {
     "swin": ("swin_tiny", {}),
     "swinv2": ("swinv2_tiny", {"window_size": 8}),
+    "swin-s": ("swin_small", {}),
     "mvitv2 global": ("mvitv2_tiny", {}),
     "mvitv2 windows": ("mvitv2_tiny", {"window_size": 56}),
 }
@@ -66,9 +74,11 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str, tiny: bool,
-            device: str = "cpu", size_divisible: int | None = None) -> list[dict[str, Any]]:
+            device: str = "cpu", size_divisible: int | None = None, steps: int = 0) -> list[dict[str, Any]]:
     """Rows of one family: size, compiled-step seconds, graphs so far, max abs diff to eager, and
-    where the step compiled, its seconds per compile phase (``common.compile_phases``)."""
+    where the step compiled, its seconds per compile phase (``common.compile_phases``). With
+    ``steps``, a last row: the median seconds of ``steps`` more compiled and eager steps at the
+    last size, alternating."""
     import torch._dynamo
     from torch._dynamo.utils import compilation_time_metrics, counters
 
@@ -101,19 +111,34 @@ def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str,
                      "max abs diff": diff, **({"phases": phases} if phases else {})})
         print(f"{family} {size[0]}x{size[1]}: {seconds:.1f} s, graphs {rows[-1]['graphs']}, max abs diff {diff:.1e}"
               + (f"; compile phases, s: {phases}" if phases else ""), flush=True)
+    if steps and rows and "error" not in rows[-1]:
+        times: dict[str, list[float]] = {"compiled": [], "eager": []}
+        for _ in range(steps):
+            for label, model in (("compiled", compiled), ("eager", eager)):
+                start = time.perf_counter()
+                _step(model, x)
+                sync(device)
+                times[label].append(time.perf_counter() - start)
+        medians = {k: round(statistics.median(v), 3) for k, v in times.items()}
+        rows.append({"size": sizes[-1], "steady s": medians})
+        print(f"{family} {sizes[-1][0]}x{sizes[-1][1]}, {steps} more steps, median s: {medians}", flush=True)
     return rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parse_size = hw_size("--sizes")
-    compile_script_options(p, list(TINY), list(TINY))
+    compile_script_options(p, list(TINY), [f for f in TINY if f != "swin-s"])
     p.add_argument("--backend", default="inductor")
     p.add_argument("--sizes", nargs="+", type=parse_size, default=[parse_size(s) for s in DEFAULT_SIZES])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--full", action="store_true", help="the published tiny configs instead of the tests' 16-channel ones")
     p.add_argument("--size-divisible", type=int, default=None,
                    help="compile_backbone's size_divisible (default: the backbone's deepest stride; 1: one graph for all sizes)")
+    p.add_argument("--flat", action="store_true",
+                   help="compile the blocks inline (set_compile_regions(False)) instead of as nested compile regions")
+    p.add_argument("--steps", type=int, default=0,
+                   help="then time this many more compiled and eager steps at the last size (medians)")
     p.add_argument("--gpu-path", action="store_true",
                    help="on the CPU, trace what a GPU compiles: attention inputs laid out as on a GPU, and with "
                         "TRITON_INTERPRET=1 Swin's Triton window attention (its graph ops) run in Triton's interpreter "
@@ -128,11 +153,16 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         attention_mod._GPU_LAYOUT_ON_CPU = True
         if os.environ.get("TRITON_INTERPRET") == "1":
             twa.set_triton_window_attention(True)
+    if args.flat:
+        from vtdense.backbones.base import set_compile_regions
+
+        set_compile_regions(False)
     if args.batch < 1:
         p.error(f"--batch {args.batch}: must be at least 1")
     if args.size_divisible is not None and args.size_divisible < 1:
         p.error(f"--size-divisible {args.size_divisible}: must be at least 1")
-    return {f: measure(f, args.sizes, args.batch, args.backend, not args.full, args.device, args.size_divisible)
+    return {f: measure(f, args.sizes, args.batch, args.backend, not args.full, args.device, args.size_divisible,
+                       args.steps)
             for f in args.families}
 
 

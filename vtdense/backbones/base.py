@@ -15,9 +15,54 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from vtdense.layers.cpu_linear import cpu_matmul
-from vtdense.layers.tracing import functorch_transform, tracing
+from vtdense.layers.plain import hooks_below
+from vtdense.layers.tracing import exporting, functorch_transform, tracing
 
-__all__ = ["Backbone", "run_blocks", "cpu_channels_last"]
+__all__ = ["Backbone", "run_blocks", "cpu_channels_last", "set_compile_regions"]
+
+#: Whether compiled graphs trace each block as a nested compile region (:func:`set_compile_regions`).
+_COMPILE_REGIONS = True
+
+
+def set_compile_regions(enabled: bool = True) -> None:
+    """Whether ``torch.compile`` traces each backbone block as a nested compile region (the default),
+    or inlines every block into one flat graph.
+
+    Blocks of a stage are the same computation on the same sizes, so torch compiles a block once
+    and calls that code again for every later block it matches (``torch.compiler.nested_compile_region``:
+    Dynamo reuses the traced block, AOT autograd and Inductor its forward and backward): Swin-T's
+    12 blocks compile as 8 (its 4 stages, shifted or not), Swin-S's 24 as 8. Blocks match where
+    their constants do: a per-block drop-path rate makes every block of a training graph its own
+    region (eval graphs do not read it). Outputs are the same either way; what changes is the
+    compile's time, and that the compiler fuses no kernel across a block's boundary.
+    ``torch.export`` always traces the flat form.
+    """
+    global _COMPILE_REGIONS
+    _COMPILE_REGIONS = bool(enabled)
+
+
+@torch.compiler.nested_compile_region(max_reuse_entries=1024)
+def _block_region(block: nn.Module, x: Tensor) -> Tensor:
+    """``block(x)``, traced as a region whose compiled code later matching blocks reuse."""
+    return block(x)
+
+
+def _floats_constant() -> bool:
+    """Whether Dynamo traces the Python floats it reads as constants (``specialize_float``, which
+    :func:`vtdense.models.compile.compile_backbone` sets). Where they are graph inputs (plain
+    ``torch.compile(dynamic=True)``), a block reused as a region takes its LayerNorm's ``eps`` as
+    a symbol that no trace can guard on, so blocks stay inlined."""
+    import torch._dynamo
+
+    return bool(torch._dynamo.config.specialize_float)
+
+
+def _as_region(block: nn.Module) -> bool:
+    """Whether ``block`` is traced as a nested compile region: while ``torch.compile`` traces (not
+    ``torch.export``), and where no hook of the block, of a module in it, or a global module hook
+    observes its calls (a hook's side effects keep the block inlined, as Dynamo traces them)."""
+    return (_COMPILE_REGIONS and torch.compiler.is_compiling() and not exporting() and _floats_constant()
+            and not block._forward_hooks and not block._forward_pre_hooks and not hooks_below(block))
 
 
 def cpu_channels_last(x: Tensor) -> Tensor:
@@ -38,6 +83,8 @@ def run_blocks(blocks: Iterable[nn.Module], x: Tensor, grad_checkpointing: bool 
     for block in blocks:
         if grad_checkpointing and torch.is_grad_enabled():
             x = checkpoint(block, x, use_reentrant=False)
+        elif _as_region(block):
+            x = _block_region(block, x)
         else:
             x = block(x)
     return x

@@ -21,7 +21,7 @@ class DropPath(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """``x`` (``(B, ...)``) with each sample's branch zeroed with probability ``p`` and the
         others scaled by ``1 / (1 - p)`` (training); ``x`` itself otherwise."""
-        if self.p == 0.0 or not self.training:
+        if not self.training or self.p == 0.0:  # (in this order: an eval graph does not read, nor guard on, p)
             return x
         return x * self._draws(x).div_(1.0 - self.p)
 
@@ -37,7 +37,7 @@ class DropPath(nn.Module):
         scale, product, sum), for every block's two branches. The same draws; the sum may differ
         from the unfused one by a rounding of the scale. Elsewhere (CPU, graphs, which fuse it
         themselves) it is ``x + self(branch)``."""
-        if self.p == 0.0 or not self.training:
+        if not self.training or self.p == 0.0:
             return x + branch
         if branch.device.type != "cuda" or tracing():
             return x + self(branch)

@@ -15,6 +15,10 @@ cells: its symbolic sizes are the cell counts ``h, w``, so every stage map is ex
 (``((H - 1) // 4 - 1) // 2 + 1``). Shorter size arithmetic is shorter to trace, to prove guards on
 and to generate code for. Other sizes run the any-size graph, so a run compiles at most the two.
 
+Both graphs trace with Python floats constant (see :func:`_traced_with`), and so take each backbone
+block as a nested compile region: the matching blocks of a stage are compiled once
+(:func:`vtdense.backbones.base.set_compile_regions`).
+
 On a GPU this fuses the many elementwise kernels (casts, adds, norms) of each block, which is
 what a host-bound bf16 detector step spends its time launching. On a CPU the backbone is
 matmul-bound and compiling gains little.
