@@ -15,24 +15,17 @@ import torch
 import torch._dynamo
 import torch._functorch.config
 import torch._inductor.config
-from torch._dynamo.backends.registry import register_backend
 from torch._dynamo.utils import counters
 
 import vtdense
 from probe import probe_loss
+from recorded_graphs import GRAPHS as _GRAPHS
+from recorded_graphs import RECORD as _RECORD
 from vtdense.models.compile import compile_backbone
 
 SWIN = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
 MVIT = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, window_size=8, drop_path_rate=0.0)
 
-_GRAPHS: list[torch.fx.GraphModule] = []
-_RECORD = "vtdense_test_record_graphs"
-if _RECORD not in torch._dynamo.list_backends(exclude_tags=()):
-
-    @register_backend(name=_RECORD)
-    def _record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        _GRAPHS.append(gm)
-        return gm.forward
 
 
 def _map_sizes(gm: torch.fx.GraphModule) -> tuple[list[sympy.Expr], list[tuple[sympy.Expr, sympy.Expr]]]:

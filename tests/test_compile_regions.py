@@ -12,10 +12,11 @@ import pytest
 import torch
 import torch._dynamo
 from torch import nn
-from torch._dynamo.backends.registry import register_backend
 
 import vtdense
 from probe import probe_loss
+from recorded_graphs import GRAPHS as _GRAPHS
+from recorded_graphs import RECORD as _RECORD
 from vtdense.backbones import base
 from vtdense.layers.drop import DropPath, residual
 from vtdense.models.compile import compile_backbone
@@ -23,14 +24,6 @@ from vtdense.models.compile import compile_backbone
 # Stage 3 has four blocks: two unshifted, two shifted (window 4, so every stage map is larger).
 SWIN = dict(embed_dim=16, depths=(1, 1, 4, 1), num_heads=(1, 2, 2, 4), window_size=4)
 
-_GRAPHS: list[torch.fx.GraphModule] = []
-_RECORD = "vtdense_test_record_regions"
-if _RECORD not in torch._dynamo.list_backends(exclude_tags=()):
-
-    @register_backend(name=_RECORD)
-    def _record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        _GRAPHS.append(gm)
-        return gm.forward
 
 
 def _regions(gm: torch.fx.GraphModule) -> tuple[int, int]:
