@@ -145,14 +145,19 @@ class _RowsBackbone(torch.nn.Module):
         return {"0": torch.relu(self.proj(x.permute(0, 2, 3, 1)))}
 
 
-def test_inductor_cpu_sums_over_rows_do_not_guard_the_graph_on_4096_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inductor_cpu_sums_over_rows_do_not_guard_the_graph_on_4096_rows() -> None:
     """Inductor's C++ code generator chose a float sum's accumulator by ``rows > 4096``, a guard:
     Swin-T's training step at batch 2 compiled again from 512x768 (3430 rows at stage 3) to 640x800.
     In ``compile_backbone``'s graphs a symbolic length takes the chunked accumulator at every size:
     here 3072 rows, then 6144, then 1536 run one graph (two before), with eager's gradients.
-    Inductor's caches are off: a cached graph brings the guards it was compiled with."""
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
-    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    Inductor's caches are off: a cached graph brings the guards it was compiled with. (The configs'
+    own ``patch``: pytest's ``monkeypatch`` left ``enable_autograd_cache`` hidden, and every later
+    Inductor compile in the process failed on reading it.)"""
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        _train_rows_backbone_at_three_sizes()
+
+
+def _train_rows_backbone_at_three_sizes() -> None:
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
