@@ -299,9 +299,9 @@ def test_drop_path_residual_is_one_draw_and_one_addcmul_on_a_gpu() -> None:
 
     from vtdense.layers.drop import DropPath, residual
 
-    drop = DropPath(0.3).train()
     count = launches.Count()
     with FakeTensorMode():
+        drop = DropPath(0.3).train().to("cuda")  # (its keep probability lives on the device)
         x, branch = torch.randn(4, 5, 6, device="cuda"), torch.randn(4, 5, 6, device="cuda")
         with launches._Recorder(count):
             out = residual(x, drop, branch)

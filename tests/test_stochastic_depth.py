@@ -65,3 +65,24 @@ def test_per_block_rates_match_timm(timm_name: str, name: str) -> None:
     for key, p in got.items():
         assert p == pytest.approx(expected.get(key, 0.0), abs=1e-6), key
     assert max(got.values()) == pytest.approx(0.3) and min(got.values()) == 0.0
+
+
+def test_keep_probability_follows_p_stays_float32_and_survives_meta_init() -> None:
+    """The rate graphs read (``keep = 1 - p``, a float32 buffer that is not saved) follows a new
+    ``p``, is not rounded by a cast of the model, and is made again after ``to_empty`` from the
+    meta device; a rate outside [0, 1) is refused, naming it."""
+    drop = DropPath(0.1)
+    assert drop.keep.dtype == torch.float32 and drop.keep.item() == pytest.approx(0.9)
+    assert "keep" not in drop.state_dict()
+    drop.p = 0.25
+    assert drop.keep.item() == 0.75 and drop.active
+    assert drop.to(torch.bfloat16).keep.dtype == torch.float32 and drop.keep.item() == 0.75  # bf16 would be 0.75 too,
+    drop.p = 0.1
+    assert drop.half().keep.item() == pytest.approx(0.9, abs=1e-7)  # but not 0.9 (0.8999 in fp16)
+    with torch.device("meta"):
+        lazy = DropPath(0.3)
+    assert lazy.to_empty(device="cpu").keep.item() == pytest.approx(0.7, abs=1e-7)
+    drop.p = 0.0
+    assert not drop.active and drop.train()(x := torch.randn(3, 2)) is x
+    with pytest.raises(ValueError, match="1.0"):
+        DropPath(1.0)

@@ -32,8 +32,8 @@ def set_compile_regions(enabled: bool = True) -> None:
     and calls that code again for every later block it matches (``torch.compiler.nested_compile_region``:
     Dynamo reuses the traced block, AOT autograd and Inductor its forward and backward): Swin-T's
     12 blocks compile as 8 (its 4 stages, shifted or not), Swin-S's 24 as 8. Blocks match where
-    their constants do: a per-block drop-path rate makes every block of a training graph its own
-    region (eval graphs do not read it). Outputs are the same either way; what changes is the
+    their constants do; drop-path rates are graph inputs (:class:`vtdense.layers.drop.DropPath`),
+    so stochastic depth does not tell blocks apart. Outputs are the same either way; what changes is the
     compile's time, and that the compiler fuses no kernel across a block's boundary.
     ``torch.export`` always traces the flat form.
     """
