@@ -8,7 +8,7 @@ attributes declared here, never by running a dummy image.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -41,10 +41,23 @@ def set_compile_regions(enabled: bool = True) -> None:
     _COMPILE_REGIONS = bool(enabled)
 
 
-@torch.compiler.nested_compile_region(max_reuse_entries=1024)
-def _block_region(block: nn.Module, x: Tensor) -> Tensor:
+def _call_block(block: nn.Module, x: Tensor) -> Tensor:
     """``block(x)``, traced as a region whose compiled code later matching blocks reuse."""
     return block(x)
+
+
+def _region_of(call: Callable[[nn.Module, Tensor], Tensor]) -> Callable[[nn.Module, Tensor], Tensor] | None:
+    """``call`` as a nested compile region, on a torch that reuses a region only where the guards of
+    the first trace hold for the new call (the module's constants included), as torch 2.14 does
+    (checked here); ``None`` on an older torch, whose regions were matched otherwise (and whose
+    ``nested_compile_region`` takes no ``max_reuse_entries``): blocks stay inlined there."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    if region is None or torch.__version__ < "2.14":
+        return None
+    return region(call, max_reuse_entries=1024)  # (a model's distinct blocks, 8 by default, raise when exceeded)
+
+
+_block_region = _region_of(_call_block)
 
 
 def _floats_constant() -> bool:
@@ -61,7 +74,8 @@ def _as_region(block: nn.Module) -> bool:
     """Whether ``block`` is traced as a nested compile region: while ``torch.compile`` traces (not
     ``torch.export``), and where no hook of the block, of a module in it, or a global module hook
     observes its calls (a hook's side effects keep the block inlined, as Dynamo traces them)."""
-    return (_COMPILE_REGIONS and torch.compiler.is_compiling() and not exporting() and _floats_constant()
+    return (_COMPILE_REGIONS and _block_region is not None and torch.compiler.is_compiling() and not exporting()
+            and _floats_constant()
             and not block._forward_hooks and not block._forward_pre_hooks and not hooks_below(block))
 
 
@@ -84,7 +98,7 @@ def run_blocks(blocks: Iterable[nn.Module], x: Tensor, grad_checkpointing: bool 
         if grad_checkpointing and torch.is_grad_enabled():
             x = checkpoint(block, x, use_reentrant=False)
         elif _as_region(block):
-            x = _block_region(block, x)
+            x = _block_region(block, x)  # type: ignore[misc]
         else:
             x = block(x)
     return x
