@@ -49,8 +49,9 @@ def _call_block(block: nn.Module, x: Tensor) -> Tensor:
 def _region_of(call: Callable[[nn.Module, Tensor], Tensor]) -> Callable[[nn.Module, Tensor], Tensor] | None:
     """``call`` as a nested compile region, on a torch that reuses a region only where the guards of
     the first trace hold for the new call (the module's constants included), as torch 2.14 does
-    (checked here); ``None`` on an older torch, whose regions were matched otherwise (and whose
-    ``nested_compile_region`` takes no ``max_reuse_entries``): blocks stay inlined there."""
+    (checked here: a shifted block never reuses an unshifted one's code). ``None`` on an older
+    torch, where that was not checked (and whose ``nested_compile_region`` may take no
+    ``max_reuse_entries``): blocks stay inlined there."""
     region = getattr(torch.compiler, "nested_compile_region", None)
     if region is None or torch.__version__ < "2.14":
         return None
