@@ -157,6 +157,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         from vtdense.backbones.base import set_compile_regions
 
         set_compile_regions(False)
+    if args.steps < 0:
+        p.error(f"--steps {args.steps}: must be at least 0")
     if args.batch < 1:
         p.error(f"--batch {args.batch}: must be at least 1")
     if args.size_divisible is not None and args.size_divisible < 1:
