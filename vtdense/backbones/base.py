@@ -50,8 +50,8 @@ def _region_of(call: Callable[[nn.Module, Tensor], Tensor]) -> Callable[[nn.Modu
     """``call`` as a nested compile region, on a torch that reuses a region only where the guards of
     the first trace hold for the new call (the module's constants included), as torch 2.14 does
     (checked here: a shifted block never reuses an unshifted one's code). ``None`` on an older
-    torch, where that was not checked (and whose ``nested_compile_region`` may take no
-    ``max_reuse_entries``): blocks stay inlined there."""
+    torch: blocks stay inlined there. (Torch 2.11 was tried: with three work-rounds its regions
+    matched, but its first compile took as long as the flat graph's; ``benchmarks/RESULTS.md``.)"""
     region = getattr(torch.compiler, "nested_compile_region", None)
     if region is None or torch.__version__ < "2.14":
         return None
