@@ -27,7 +27,6 @@ SWIN = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_si
 MVIT = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, window_size=8, drop_path_rate=0.0)
 
 
-
 def _map_sizes(gm: torch.fx.GraphModule) -> tuple[list[sympy.Expr], list[tuple[sympy.Expr, sympy.Expr]]]:
     """The graph's image input's symbolic sizes and the ``(H, W)`` expressions of its 4-D outputs."""
     (image,) = [n.meta["example_value"] for n in gm.graph.nodes

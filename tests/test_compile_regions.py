@@ -25,7 +25,6 @@ from vtdense.models.compile import compile_backbone
 SWIN = dict(embed_dim=16, depths=(1, 1, 4, 1), num_heads=(1, 2, 2, 4), window_size=4)
 
 
-
 def _regions(gm: torch.fx.GraphModule) -> tuple[int, int]:
     """``(calls, distinct bodies)`` of the graph's ``invoke_subgraph`` nodes."""
     calls = [n for n in gm.graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
