@@ -60,6 +60,7 @@ from vtdense.layers import chunked
 from vtdense.layers.chunked import chunking_applies, row_slices
 from vtdense.layers.tracing import exporting, tracing
 from vtdense.layers.depthwise_conv import depthwise_conv_nhwc
+from vtdense.layers.opaque_conv import patch_conv
 from vtdense.layers.decomposed_attention import (
     compiled_decomposed_attention,
     compiled_decomposed_attention_applies,
@@ -155,6 +156,8 @@ class MultiScaleAttention(nn.Module):
         self.norm_k = _layer_norm(hd)
         self.pool_v = nn.Conv2d(hd, hd, 3, stride=stride_kv, padding=1, groups=hd, bias=False)
         self.norm_v = _layer_norm(hd)
+        for pool in (self.pool_q, self.pool_k, self.pool_v):
+            pool._vtdense_traced_as_op = True  # compiled, _pool runs it as one op (vtdense.models.compile._batch_free)
         # Table length as in the reference: offsets of the nominal query/key grids.
         span = 2 * max(feat_size // stride_q, feat_size // stride_kv) - 1
         self.rel_pos_h = nn.Parameter(torch.zeros(span, hd))
@@ -193,8 +196,9 @@ class MultiScaleAttention(nn.Module):
             return norm(z.view(B, h, d, *z.shape[2:]).permute(0, 3, 4, 1, 2).contiguous())
         weight, _ = autocast_params(pool.weight, None)  # inference under autocast: a kept cast copy
         filters = weight if h == 1 else weight.repeat(h, 1, 1, 1)
-        if torch.compiler.is_compiling() and not exporting() and torch.is_grad_enabled():
-            # compiled training: the conv as one opaque op with its own backward (see depthwise_conv_nhwc)
+        if torch.compiler.is_compiling() and not exporting():
+            # compiled: the conv as one opaque op with its own backward (see depthwise_conv_nhwc); in
+            # inference too, where a traced conv on an unbacked batch states a layout it does not return
             return norm(depthwise_conv_nhwc(y, filters, pool.stride, pool.padding, heads=h))
         y = F.conv2d(y.permute(0, 3, 1, 2), filters, None, pool.stride, pool.padding, groups=h * d)
         y = y.permute(0, 2, 3, 1)  # (B, H', W', h*d), a view when the conv kept channels-last
@@ -420,7 +424,7 @@ class _PatchEmbed(nn.Module):
 
     def __init__(self, in_chans: int, dim: int) -> None:
         super().__init__()
-        self.proj = nn.Conv2d(in_chans, dim, kernel_size=7, stride=4, padding=3)
+        self.proj = patch_conv(in_chans, dim, kernel_size=7, stride=4, padding=3)
 
     def forward(self, x: Tensor) -> Tensor:
         """``(B, C, H, W)`` -> ``(B, ceil(H/4), ceil(W/4), dim)``."""

@@ -29,6 +29,7 @@ from vtdense.backbones.registry import register_config
 from vtdense.layers.autocast import autocast_params
 from vtdense.layers.attention import TERM_ALIGN, aligned_term, attention, folds_windows, gpu_layout, pads_term_rows
 from vtdense.layers.chunked import chunking_applies, functorch_transform, window_slices
+from vtdense.layers.opaque_conv import patch_conv
 from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.layers.cpu_window_attention import (
     norm_qkv_window_attention,
@@ -460,7 +461,7 @@ class PatchEmbed(nn.Module):
     def __init__(self, in_chans: int, dim: int, patch_size: int) -> None:
         super().__init__()
         self.patch_size = patch_size
-        self.proj = nn.Conv2d(in_chans, dim, kernel_size=patch_size, stride=patch_size)
+        self.proj = patch_conv(in_chans, dim, kernel_size=patch_size, stride=patch_size)
         self.norm = nn.LayerNorm(dim)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -15,6 +15,11 @@ cells: its symbolic sizes are the cell counts ``h, w``, so every stage map is ex
 (``((H - 1) // 4 - 1) // 2 + 1``). Shorter size arithmetic is shorter to trace, to prove guards on
 and to generate code for. Other sizes run the any-size graph, so a run compiles at most the two.
 
+Both graphs trace the batch size as an unbacked size (:func:`_any_batch`): one graph serves every
+batch, 1 included, where Dynamo would otherwise give a batch of 1 a graph of its own and the traced
+convs guard on the batch (the convs of the compiled part run as one opaque op each,
+:mod:`vtdense.layers.opaque_conv`).
+
 Both graphs trace with Python floats constant (see :func:`_traced_with`), and so take each backbone
 block as a nested compile region: the matching blocks of a stage are compiled once
 (:func:`vtdense.backbones.base.set_compile_regions`).
@@ -35,6 +40,8 @@ import torch
 from torch import nn
 
 from vtdense.layers.drop import DropPath
+from vtdense.layers.opaque_conv import OpaqueConv2d
+from vtdense.layers.plain import plain_module
 
 __all__ = ["check_compile_option", "compile_backbone", "backbone_module", "is_compiled"]
 
@@ -142,9 +149,12 @@ def compile_backbone(model: nn.Module, backend: str | bool | None = "inductor", 
     if name == "eager":
         config["optimize_ddp"] = False
     any_size = _traced_with(part._compiled_call_impl, **config)
+    any_batch = kwargs["dynamic"] is not False and _batch_free(part)
+    if any_batch:
+        any_size = _any_batch(any_size)
     if unit > 1 and kwargs["dynamic"] is not False:
         in_cells = _traced_with(torch.compile(_cells_forward(part), backend=name, **kwargs), **config)
-        part._compiled_call_impl = _by_size(any_size, in_cells, unit)
+        part._compiled_call_impl = _by_size(any_size, in_cells, unit, any_batch)
     else:
         part._compiled_call_impl = any_size
     part._vtdense_compiled = name  # what is_compiled reports
@@ -238,14 +248,16 @@ def _cells_forward(part: nn.Module) -> Callable[[torch.Tensor], Any]:
     return forward
 
 
-def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], Any], unit: int) -> Callable[..., Any]:
+def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], Any], unit: int,
+             any_batch: bool = False) -> Callable[..., Any]:
     """Send a ``(B, C, H, W)`` tensor whose ``H`` and ``W`` are multiples of ``unit`` to ``in_cells``
     as ``(B, C, H / unit, unit, W / unit, unit)``, and every other call to ``any_size``.
 
     The cells are a copy, not a view: Dynamo traces a view input together with its base, whose
     sizes become symbols of their own, and the graph then has to relate ``H`` to ``h`` again (one
     copy of the input, small beside the backbone's own traffic). The two ``unit`` dimensions are marked
-    static so that ``dynamic=True`` keeps them literal."""
+    static so that ``dynamic=True`` keeps them literal; with ``any_batch``, the batch is traced
+    unbacked (:func:`_any_batch`)."""
 
     def call(*args: Any, **kwargs: Any) -> Any:
         x = args[0] if len(args) == 1 and not kwargs else None
@@ -254,10 +266,59 @@ def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], An
             cells = x.unflatten(3, (x.shape[3] // unit, unit)).unflatten(2, (x.shape[2] // unit, unit)).clone()
             torch._dynamo.mark_static(cells, 3)
             torch._dynamo.mark_static(cells, 5)
+            if any_batch:
+                torch._dynamo.decorators.mark_unbacked(cells, 0, hint_override=cells.shape[0])
             return in_cells(cells)
         return any_size(*args, **kwargs)
 
     return call
+
+
+def _any_batch(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """``compiled``, called on a ``(B, C, H, W)`` tensor with its batch size ``B`` traced as an
+    unbacked symbol, so that one graph serves every batch size, 1 included.
+
+    With ``dynamic=True`` Dynamo still gives a size of 0 or 1 a graph of its own, and a traced
+    ``F.conv2d`` guards on the batch while it picks a conv backend (``2 <= B <= 15`` on the CPU). A
+    graph traced at a batch of 2 (training) then compiled again for a batch of 1 (prediction on
+    single images) and for 16 or more: minutes each with Inductor. An unbacked batch has no value
+    to guard on, so neither happens (the compiled part's convs are
+    :class:`~vtdense.layers.opaque_conv.OpaqueConv2d`, whose fake kernel needs no value either). The
+    call's batch is still Inductor's size hint (``hint_override``, which makes no new graph). The
+    mark is put on the caller's tensor for the call and taken off again (Dynamo keeps it in the
+    tensor's ``__dict__``), so the tensor reaches no other compiled code marked."""
+
+    @functools.wraps(compiled)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        x = args[0] if len(args) == 1 and not kwargs else None
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or torch.compiler.is_compiling():
+            return compiled(*args, **kwargs)
+        before = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in x.__dict__.items()}
+        torch._dynamo.decorators.mark_unbacked(x, 0, hint_override=x.shape[0])
+        try:
+            return compiled(x)
+        finally:
+            for key in set(x.__dict__) - set(before):
+                delattr(x, key)
+            for key, value in before.items():
+                setattr(x, key, value)
+
+    return call
+
+
+def _batch_free(part: nn.Module) -> bool:
+    """Whether ``part`` may trace its batch unbacked (:func:`_any_batch`): no conv or batch norm in it
+    but those vtdense runs as opaque ops in compiled graphs (the patch embeddings' and the FPN's
+    :class:`~vtdense.layers.opaque_conv.OpaqueConv2d`, MViTv2's pooling convs). A traced ``F.conv2d``
+    on an unbacked batch states a memory format that the real conv may not return (Inductor then
+    stops at its layout check), and a batch norm checks the batch's size, so a part with other convs
+    (a backbone of a user's own, a replaced layer) keeps a batch of 1 as a graph of its own."""
+    for m in part.modules():
+        if isinstance(m, OpaqueConv2d) or (getattr(m, "_vtdense_traced_as_op", False) and plain_module(m, nn.Conv2d)):
+            continue
+        if isinstance(m, (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)):
+            return False
+    return True
 
 
 def _random_in_checkpointed_blocks(part: nn.Module) -> bool:

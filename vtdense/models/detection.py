@@ -32,6 +32,7 @@ from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxP
 
 from vtdense.backbones.base import Backbone
 from vtdense.layers.cpu_linear import apply_linear
+from vtdense.layers.opaque_conv import opaque_convs
 from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.models.mask_rois import check_mask_rois_multiple, pad_mask_rois
 from vtdense.models.paste_masks import paste_masks
@@ -203,7 +204,8 @@ class BackboneWithFPN(nn.Module):
         else:
             raise ValueError(f"unknown FPN extra block {extra!r}; choose 'maxpool', 'p6p7' or None")
 
-        self.fpn = FeaturePyramidNetwork(in_channels, out_channels, extra_blocks=extra_block)
+        # (its convs run as one op each in compiled graphs: one graph for every batch size)
+        self.fpn = opaque_convs(FeaturePyramidNetwork(in_channels, out_channels, extra_blocks=extra_block))
         self.out_channels = out_channels
         self.level_names = [self._rename[n] for n in self.in_names] + extra_names
         self.level_strides = in_strides + extra_strides

@@ -1,0 +1,145 @@
+"""``compile_backbone`` makes one graph for every batch size: the batch is traced as an unbacked size,
+and the convs of the traced part (patch embeddings, the detector's FPN) run as one opaque op each
+(:mod:`vtdense.layers.opaque_conv`), since a traced ``F.conv2d`` guards on the batch (``2 <= B <= 15`` on
+the CPU). Before, a model compiled at batch 2 compiled again for a batch of 1 and for 16 or more."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import vtdense
+from vtdense.layers.opaque_conv import OpaqueConv2d, opaque_convs
+from vtdense.models.compile import compile_backbone
+
+SWIN = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
+MVIT = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, window_size=8, drop_path_rate=0.0)
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+def _check_step(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, train: bool) -> None:
+    """One step of the compiled ``model`` and of its eager ``twin``: equal outputs and gradients."""
+    outs = []
+    for m in (model, twin):
+        m.zero_grad(set_to_none=True)
+        with torch.set_grad_enabled(train):
+            out = m(x)
+            if train:
+                sum((v * torch.linspace(0.5, 1.5, v.numel()).view_as(v)).sum() for v in out.values()).backward()
+        outs.append(out)
+    for k in outs[0]:
+        assert torch.allclose(outs[0][k], outs[1][k], atol=1e-5), (tuple(x.shape), k)
+    if train:
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert p.grad is not None and q.grad is not None, name
+            scale = q.grad.abs().max().item()  # (float rounding of sums over many rows: relative to the largest)
+            assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5 * max(scale, 1.0)), (tuple(x.shape), name)
+
+
+@pytest.mark.parametrize("name,kwargs", [("swin_tiny", SWIN), ("mvitv2_tiny", MVIT)], ids=["swin", "mvitv2"])
+def test_one_training_graph_serves_batches_of_2_1_and_16(name: str, kwargs: dict) -> None:
+    torch.manual_seed(0)
+    twin = vtdense.create_backbone(name, **kwargs).train()
+    model = copy.deepcopy(twin)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_backbone(model, "aot_eager", fullgraph=True)  # the graph Inductor receives
+    _check_step(model, twin, torch.randn(2, 3, 192, 256), train=True)
+    first = _graphs()
+    assert first == 1
+    for batch, size in [(1, (192, 256)), (1, (224, 160)), (16, (160, 192)), (3, (256, 192))]:
+        _check_step(model, twin, torch.randn(batch, 3, *size), train=True)
+    assert _graphs() == first, f"recompiled for a new batch size: {first} -> {_graphs()} graphs"
+
+
+def test_the_any_size_graph_serves_every_batch_too_and_leaves_the_input_unmarked() -> None:
+    torch.manual_seed(0)
+    twin = vtdense.create_backbone("swin_tiny", **SWIN).eval()
+    model = copy.deepcopy(twin)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_backbone(model, "aot_eager", fullgraph=True)
+    x = torch.randn(2, 3, 163, 171)  # no multiple of 32: the any-size graph
+    torch._dynamo.mark_dynamic(x, 2)  # a caller's own marking stays as it was
+    _check_step(model, twin, x, train=False)
+    assert _graphs() == 1
+    assert not hasattr(x, "_dynamo_unbacked_indices") and x._dynamo_dynamic_indices == {2}
+    for batch in (1, 5):
+        _check_step(model, twin, torch.randn(batch, 3, 171, 163), train=False)
+    assert _graphs() == 1
+
+
+def test_a_part_with_a_conv_of_its_own_keeps_a_batch_of_1_apart() -> None:
+    """A conv that vtdense does not run as an op (here the patch embedding's, made a plain
+    ``nn.Conv2d``) would state a wrong layout on an unbacked batch: such a part traces its batch as
+    before, and a batch of 1 is a second graph, with the same outputs."""
+    torch.manual_seed(0)
+    twin = vtdense.create_backbone("swin_tiny", **SWIN).eval()
+    model = copy.deepcopy(twin)
+    model.patch_embed.proj.__class__ = torch.nn.Conv2d
+    torch._dynamo.reset()
+    counters.clear()
+    compile_backbone(model, "aot_eager", fullgraph=True)
+    for batch in (2, 3, 1):
+        _check_step(model, twin, torch.randn(batch, 3, 160, 192), train=False)
+    assert _graphs() == 2
+
+
+def test_the_detector_backbone_and_fpn_serve_every_batch() -> None:
+    from vtdense.models.detection import build_detector
+
+    torch.manual_seed(0)
+    det = build_detector("swin_tiny", "faster_rcnn", 3, backbone_kwargs=SWIN, fpn_channels=16, slim_heads=True)
+    assert all(type(m) is OpaqueConv2d for m in det.backbone.fpn.modules() if isinstance(m, torch.nn.Conv2d))
+    twin = copy.deepcopy(det.backbone).eval()
+    torch._dynamo.reset()
+    counters.clear()
+    compile_backbone(det, "aot_eager", fullgraph=True)
+    det.eval()
+    for batch in (2, 1, 16):
+        _check_step(det.backbone, twin, torch.randn(batch, 3, 160, 192), train=False)
+    assert _graphs() == 1
+
+
+@pytest.mark.parametrize("k,stride,padding,groups,bias", [
+    (4, 4, 0, 1, True), (7, 4, 3, 1, True), (3, 1, 1, 1, True), (3, 2, 1, 2, False), (1, 1, 0, 1, True)])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["contiguous", "channels_last"])
+def test_the_conv_op_computes_the_conv_and_its_gradients(k: int, stride: int, padding: int, groups: int, bias: bool,
+                                                         channels_last: bool) -> None:
+    """Compiled (``aot_eager``, dynamic sizes, the batch unbacked) against ``nn.Conv2d`` in eager on an
+    input of the same memory format: the same outputs, in that format, and the same gradients of
+    input, weight and bias; and torch's own checks of the op (fake kernel, autograd, schema)."""
+    torch.manual_seed(0)
+    ref = torch.nn.Conv2d(4, 6, k, stride=stride, padding=padding, groups=groups, bias=bias)
+    conv = opaque_convs(copy.deepcopy(ref))
+    conv.cpu_channels_last = channels_last
+    assert type(conv) is OpaqueConv2d and list(conv.state_dict()) == list(ref.state_dict())
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    torch._dynamo.reset()  # (each case is a new module of the same forward's code)
+    compiled = torch.compile(conv, backend="aot_eager", dynamic=True, fullgraph=True)
+    for batch, h, w in [(2, 13, 17), (1, 20, 12)]:
+        x = torch.randn(batch, 4, h, w).contiguous(memory_format=fmt)
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+        xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+        outs = [compiled(xs[0]), ref(xs[1])]
+        assert outs[0].shape == outs[1].shape and outs[0].is_contiguous(memory_format=fmt)
+        assert torch.allclose(outs[0], outs[1], atol=1e-6)
+        g = torch.randn_like(outs[1])
+        for o in outs:
+            o.backward(g)
+        assert torch.allclose(xs[0].grad, xs[1].grad, atol=1e-5)
+        for p, q in zip(conv.parameters(), ref.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-4), (p.shape, batch)
+            p.grad = q.grad = None
+    x = torch.randn(2, 4, 9, 11).contiguous(memory_format=fmt).requires_grad_()
+    args = (x, ref.weight.detach().requires_grad_(), None if ref.bias is None else ref.bias.detach().requires_grad_(),
+            [stride, stride], [padding, padding], groups, channels_last)
+    torch.library.opcheck(torch.ops.vtdense.conv2d, args)
