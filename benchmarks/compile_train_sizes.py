@@ -17,7 +17,7 @@ Usage::
 
     python benchmarks/compile_train_sizes.py --families "mvitv2 windows" --backend inductor
     python benchmarks/compile_train_sizes.py --families swin --backend aot_eager --sizes 160x192 192x256
-    python benchmarks/compile_train_sizes.py --device cuda --full --sizes 512x768 640x800 480x736
+    python benchmarks/compile_train_sizes.py --device cuda --full --sizes 512x768 640x800 480x736 --batch 2 1
     TRITON_INTERPRET=1 python benchmarks/compile_train_sizes.py --gpu-path --families swin --sizes 64x96
     python benchmarks/compile_train_sizes.py --full --families swin-s --sizes 512x768 --steps 5 [--flat]
 
@@ -73,12 +73,13 @@ def _step(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     return [o.detach() for o in out] + grads
 
 
-def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str, tiny: bool,
+def measure(family: str, sizes: list[tuple[int, int]], batch: int | list[int], backend: str, tiny: bool,
             device: str = "cpu", size_divisible: int | None = None, steps: int = 0) -> list[dict[str, Any]]:
     """Rows of one family: size, compiled-step seconds, graphs so far, max abs diff to eager, and
-    where the step compiled, its seconds per compile phase (``common.compile_phases``). With
-    ``steps``, a last row: the median seconds of ``steps`` more compiled and eager steps at the
-    last size, alternating."""
+    where the step compiled, its seconds per compile phase (``common.compile_phases``). Every size
+    runs at the first ``batch``; further batch sizes run at the last size after them
+    (``compile_backbone`` makes one graph for every batch). With ``steps``, a last row: the median
+    seconds of ``steps`` more compiled and eager steps at the last size, alternating."""
     import torch._dynamo
     from torch._dynamo.utils import compilation_time_metrics, counters
 
@@ -91,25 +92,27 @@ def measure(family: str, sizes: list[tuple[int, int]], batch: int, backend: str,
     torch.manual_seed(0)
     eager = vtdense.create_backbone(name, drop_path_rate=0.0, **overrides).to(device).train()
     compiled = compile_backbone(copy.deepcopy(eager), backend, size_divisible=size_divisible)
+    batches = [batch] if isinstance(batch, int) else list(batch)
     rows = []
-    for size in sizes:
-        x = torch.randn(batch, 3, *size, device=device)
+    for n, size in [(batches[0], s) for s in sizes] + [(b, sizes[-1]) for b in batches[1:]]:
+        x = torch.randn(n, 3, *size, device=device)
         compilation_time_metrics.clear()
         start = time.perf_counter()
         try:
             got = _step(compiled, x)
             sync(device)
         except Exception as err:  # noqa: BLE001 - a failed compile is a result
-            rows.append({"size": size, "error": error_line(err)})
-            print(f"{family} {size[0]}x{size[1]}: {rows[-1]['error']}", flush=True)
+            rows.append({"size": size, "batch": n, "error": error_line(err)})
+            print(f"{family} {size[0]}x{size[1]} (batch {n}): {rows[-1]['error']}", flush=True)
             break
         seconds = time.perf_counter() - start
         want = _step(eager, x)
         diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, want))
         phases = compile_phases(seconds)
-        rows.append({"size": size, "seconds": round(seconds, 1), "graphs": counters["stats"]["unique_graphs"],
-                     "max abs diff": diff, **({"phases": phases} if phases else {})})
-        print(f"{family} {size[0]}x{size[1]}: {seconds:.1f} s, graphs {rows[-1]['graphs']}, max abs diff {diff:.1e}"
+        rows.append({"size": size, "batch": n, "seconds": round(seconds, 1),
+                     "graphs": counters["stats"]["unique_graphs"], "max abs diff": diff,
+                     **({"phases": phases} if phases else {})})
+        print(f"{family} {size[0]}x{size[1]} (batch {n}): {seconds:.1f} s, graphs {rows[-1]['graphs']}, max abs diff {diff:.1e}"
               + (f"; compile phases, s: {phases}" if phases else ""), flush=True)
     if steps and rows and "error" not in rows[-1]:
         times: dict[str, list[float]] = {"compiled": [], "eager": []}
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     compile_script_options(p, list(TINY), [f for f in TINY if f != "swin-s"])
     p.add_argument("--backend", default="inductor")
     p.add_argument("--sizes", nargs="+", type=parse_size, default=[parse_size(s) for s in DEFAULT_SIZES])
-    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--batch", type=int, nargs="+", default=[2],
+                   help="the batch size of every size; more values: those batch sizes at the last size after them")
     p.add_argument("--full", action="store_true", help="the published tiny configs instead of the tests' 16-channel ones")
     p.add_argument("--size-divisible", type=int, default=None,
                    help="compile_backbone's size_divisible (default: the backbone's deepest stride; 1: one graph for all sizes)")
@@ -159,8 +163,9 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         set_compile_regions(False)
     if args.steps < 0:
         p.error(f"--steps {args.steps}: must be at least 0")
-    if args.batch < 1:
-        p.error(f"--batch {args.batch}: must be at least 1")
+    for b in args.batch:
+        if b < 1:
+            p.error(f"--batch {b}: must be at least 1")
     if args.size_divisible is not None and args.size_divisible < 1:
         p.error(f"--size-divisible {args.size_divisible}: must be at least 1")
     return {f: measure(f, args.sizes, args.batch, args.backend, not args.full, args.device, args.size_divisible,

@@ -103,11 +103,12 @@ elif [ "$mode" = verify ]; then
         local left=$((total - SECONDS - 10))
         if [ $left -ge "$2" ]; then echo $left; else echo "== $1: left out, $left s of the $total s remain" >&2; echo 0; fi
     }
-    # 1. compile_backbone's Swin-T training at three sizes in whole cells (expected: one graph, the mix-order
-    #    checks off; compile phases printed; the Triton window attention as custom ops, against eager's kernels)
+    # 1. compile_backbone's Swin-T training at three sizes in whole cells, then a batch of 1 (expected: one graph,
+    #    the mix-order checks off, the batch unbacked; compile phases printed; the Triton window attention as custom
+    #    ops, against eager's kernels)
     left=$(left_for cells 60)
     [ "$left" -gt 0 ] && step cells env TORCH_LOGS=recompiles timeout $left python3 benchmarks/compile_train_sizes.py \
-        --device cuda --full --families swin --backend inductor --sizes 512x768 640x800 480x736
+        --device cuda --full --families swin --backend inductor --sizes 512x768 640x800 480x736 --batch 2 1
     # 2. the compiled Swin-T training step against timm fused compiled (before the ops: 26.0 against 20.9 ms, 0.80x)
     left=$(left_for compiled 200)
     [ "$left" -gt 0 ] && step compiled timeout $left python3 benchmarks/run.py --device cuda --full --no-extras \

@@ -59,13 +59,15 @@ def test_training_script_compares_a_compiled_step_with_eager_at_each_size(capsys
     "eager", keeps it within seconds; both sizes share one graph)."""
     import compile_train_sizes
 
-    report = compile_train_sizes.main(["--families", "mvitv2 windows", "--backend", "eager", "--sizes", "64x96", "96x64"])
+    report = compile_train_sizes.main(["--families", "mvitv2 windows", "--backend", "eager", "--sizes", "64x96", "96x64",
+                                       "--batch", "2", "1"])
     rows = report["mvitv2 windows"]
-    assert [r["size"] for r in rows] == [(64, 96), (96, 64)] and all("error" not in r for r in rows), rows
-    assert [r["graphs"] for r in rows] == [1, 1]
-    assert rows[0]["phases"]["dynamo"] > 0 and "phases" not in rows[1], rows  # the second size compiled nothing
+    assert [(r["batch"], r["size"]) for r in rows] == [(2, (64, 96)), (2, (96, 64)), (1, (96, 64))], rows
+    assert all("error" not in r for r in rows), rows
+    assert [r["graphs"] for r in rows] == [1, 1, 1]  # nor the batch of 1
+    assert rows[0]["phases"]["dynamo"] > 0 and "phases" not in rows[1] and "phases" not in rows[2], rows
     assert all(0 <= r["max abs diff"] < 1e-5 for r in rows), rows
-    assert "mvitv2 windows 96x64:" in capsys.readouterr().out
+    assert "mvitv2 windows 96x64 (batch 1):" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         compile_train_sizes.main(["--batch", "0"])
     assert "--batch 0" in capsys.readouterr().err

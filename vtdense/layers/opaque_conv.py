@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vtdense.layers.chunked import functorch_transform
+from vtdense.layers.depthwise_conv import _out_size
 from vtdense.layers.tracing import exporting
 
 __all__ = ["OpaqueConv2d", "conv2d_op", "opaque_convs", "patch_conv"]
@@ -33,10 +34,6 @@ __all__ = ["OpaqueConv2d", "conv2d_op", "opaque_convs", "patch_conv"]
 
 def _format(channels_last: bool) -> torch.memory_format:
     return torch.channels_last if channels_last else torch.contiguous_format
-
-
-def _out_size(n: Any, k: int, s: int, p: int) -> Any:
-    return (n + 2 * p - k) // s + 1
 
 
 @torch.library.custom_op("vtdense::conv2d", mutates_args=(),
