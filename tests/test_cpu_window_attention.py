@@ -11,6 +11,7 @@ import vtdense
 from tests.test_swin import randomize_
 from vtdense.layers.attention import _math, attention_backend
 from vtdense.layers import chunked
+from vtdense.layers import cpu_window_attention
 from vtdense.layers.chunked import cpu_chunking
 from vtdense.layers.cpu_window_attention import norm_qkv_window_attention, qkv_window_attention
 
@@ -112,8 +113,11 @@ def test_swin_training_takes_it_on_the_cpu_only_where_it_applies(name: str, monk
     def run() -> torch.Tensor:
         return list(model(x).values())[-1]
 
-    assert not _uses_own_backward(run())  # qkv far under TRAIN_CHUNK_MIN_BYTES
-    monkeypatch.setattr(chunked, "TRAIN_CHUNK_MIN_BYTES", 0)
+    assert _uses_own_backward(run())  # at every size (MIN_BYTES is 0)
+    monkeypatch.setattr(cpu_window_attention, "MIN_BYTES", 1 << 30)
+    assert not _uses_own_backward(run())  # qkv under the threshold: SDPA's math path
+    monkeypatch.setattr(cpu_window_attention, "MIN_BYTES", 0)
+    monkeypatch.setattr(chunked, "TRAIN_CHUNK_MIN_BYTES", 1 << 30)  # (the chunked MLP's threshold is not this one)
     assert _uses_own_backward(run())
     with cpu_chunking(False):
         assert not _uses_own_backward(run())

@@ -19,11 +19,15 @@ import torch
 import torch.nn.functional as F
 
 import vtdense
-from vtdense.layers import mlp, recompute
+from vtdense.layers import cpu_window_attention, mlp, recompute
 
 
 @pytest.fixture
-def hooks_form():
+def hooks_form(monkeypatch):
+    """The recomputation's GPU form (saved-tensor hooks), on the CPU; the CPU's own attention path
+    (norm, qkv and attention in one function, every size) off, so each block's pre-norm is hooked
+    as on a GPU."""
+    monkeypatch.setattr(cpu_window_attention, "MIN_BYTES", 1 << 62)
     mlp._set_recompute_form("hooks")
     try:
         yield
@@ -294,6 +298,7 @@ def test_off_the_cpu_only_layers_with_large_activations_recompute(monkeypatch) -
     with pytest.raises(ValueError, match="min_bytes must be >= 0"):
         mlp.set_activation_recompute(True, min_bytes=-1)
     mlp._set_recompute_form("hooks")  # the CPU ignores the threshold: a small model recomputes every layer
+    monkeypatch.setattr(cpu_window_attention, "MIN_BYTES", 1 << 62)  # (the pre-norms hooked, as on a GPU)
     try:
         assert recipes((64, 96), 1, device="cpu") == 12 * 3 + 3
     finally:

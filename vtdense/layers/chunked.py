@@ -81,15 +81,16 @@ def chunking_applies(x: Tensor, module: nn.Module) -> bool:
     return not tracing() and not hooks_below(module)
 
 
-def training_chunking_applies(x: Tensor, nbytes: int) -> bool:
+def training_chunking_applies(x: Tensor, nbytes: int, min_bytes: int | None = None) -> bool:
     """Whether a training-step op on ``x`` whose largest activation takes ``nbytes`` runs in
     chunks with its own backward (:mod:`vtdense.layers.chunked_mlp`,
-    :mod:`vtdense.layers.cpu_window_attention`): at least :data:`TRAIN_CHUNK_MIN_BYTES`, on the
-    CPU with gradients enabled, autocast off, and not inside a compiler, exporter or tracer."""
+    :mod:`vtdense.layers.cpu_window_attention`): at least ``min_bytes`` (default
+    :data:`TRAIN_CHUNK_MIN_BYTES`), on the CPU with gradients enabled, autocast off, and not inside a
+    compiler, exporter or tracer."""
     if not _enabled or x.device.type != "cpu" or not torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
         return False
     # the size test last: under export / compile it would put a guard on symbolic sizes
-    return not tracing() and nbytes >= TRAIN_CHUNK_MIN_BYTES
+    return not tracing() and nbytes >= (TRAIN_CHUNK_MIN_BYTES if min_bytes is None else min_bytes)
 
 
 def _add(acc: Tensor | None, t: Tensor | None) -> Tensor | None:
