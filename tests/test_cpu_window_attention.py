@@ -113,9 +113,7 @@ def test_swin_training_takes_it_on_the_cpu_only_where_it_applies(name: str, monk
     def run() -> torch.Tensor:
         return list(model(x).values())[-1]
 
-    assert _uses_own_backward(run())  # at every size (MIN_BYTES is 0)
-    monkeypatch.setattr(cpu_window_attention, "MIN_BYTES", 1 << 30)
-    assert not _uses_own_backward(run())  # qkv under the threshold: SDPA's math path
+    assert not _uses_own_backward(run())  # qkv far under cpu_window_attention.MIN_BYTES: SDPA's math path
     monkeypatch.setattr(cpu_window_attention, "MIN_BYTES", 0)
     monkeypatch.setattr(chunked, "TRAIN_CHUNK_MIN_BYTES", 1 << 30)  # (the chunked MLP's threshold is not this one)
     assert _uses_own_backward(run())

@@ -14,6 +14,7 @@ import torch
 from timm.models.mvitv2 import MultiScaleVit, MultiScaleVitCfg
 
 import vtdense
+from vtdense.layers import cpu_window_attention
 from vtdense.layers.mlp import _NormLinear
 
 from test_swin import randomize_
@@ -41,8 +42,17 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny", "mvitv2_tiny"])
-def test_gradient_penalty_weight_gradients_match_timm(name: str) -> None:
+@pytest.mark.parametrize("name", ["swin_tiny", "swinv2_tiny", "mvitv2_tiny", "swin_tiny-own", "swinv2_tiny-own"])
+def test_gradient_penalty_weight_gradients_match_timm(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``-own``: Swin's attention through the CPU training path's own autograd functions at this size
+    (``cpu_window_attention.MIN_BYTES = 0``), whose backward recomputes the attention under ``create_graph``."""
+    own = name.endswith("-own")
+    recomputed: list[int] = []
+    if own:
+        monkeypatch.setattr(cpu_window_attention, "MIN_BYTES", 0)
+        math = cpu_window_attention._windows_math
+        monkeypatch.setattr(cpu_window_attention, "_windows_math", lambda *a: recomputed.append(1) or math(*a))
+        name = name[:-4]
     size = (128, 128)  # window multiples at every stage (timm pads differently, see windows.py), square for MViTv2
     if name == "mvitv2_tiny":
         cfg = dict(embed_dim=16, depths=(1, 2, 1, 1), num_heads=1)
@@ -70,6 +80,7 @@ def test_gradient_penalty_weight_gradients_match_timm(name: str) -> None:
     for key, g in got.items():
         e = expected[key] if key in expected else torch.zeros_like(g)
         assert (g - e).abs().max().item() < 1e-8 * scale, key
+    assert len(recomputed) == (5 if own else 0)  # one recomputation per block: the own functions' backward ran
 
 
 def test_norm_linear_is_twice_differentiable() -> None:

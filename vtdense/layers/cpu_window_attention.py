@@ -16,7 +16,7 @@ The values are those of the math path to float rounding (the same operations, ch
 Under ``create_graph`` (gradient penalties, Hessian-vector products) the backward recomputes the
 attention in differentiable torch ops from the saved inputs instead, so that second derivatives
 hold (``tests/test_double_backward.py``); before, such a backward at this path's sizes was refused.
-Since 2026-11-28 this path serves every size (:data:`MIN_BYTES`).
+Since 2026-11-28 this path serves every ``qkv`` from 1 MiB (:data:`MIN_BYTES`; 16 MiB before).
 """
 
 from __future__ import annotations
@@ -220,9 +220,11 @@ class _NormQkvWindowAttention(torch.autograd.Function):
 #: checks every row for being wholly masked (``_safe_softmax``: a comparison, a reduction and a
 #: ``where`` over the logits) and keeps more for the backward. Swin-T's training step at batch 2
 #: and 512x768 on a 2-core Zen 4 host, alternating in one process: 3482 -> 3370 ms (7 rounds) with
-#: the late stages here too (below 16 MiB, the threshold of the chunked MLP, which they had shared);
-#: SwinV2-T 3528 -> 3483 ms. So every size takes them.
-MIN_BYTES = 0
+#: the late stages here too (their ``qkv`` of 7-14 MiB was under the 16 MiB threshold of the chunked
+#: MLP, which they had shared); SwinV2-T 3528 -> 3483 ms. Under 1 MiB (toy models) the two paths
+#: differ by microseconds, and SDPA's math path is what compiled graphs trace, so eager and
+#: ``compile_backbone``'s ``eager`` backend keep computing the same bits there.
+MIN_BYTES = 1 << 20
 
 
 def qkv_window_attention_applies(qk: Tensor, dropout: float, nbytes: int | None = None) -> bool:
