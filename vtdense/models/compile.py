@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import operator
 from typing import Any, Callable
 
@@ -267,7 +268,7 @@ def _by_size(any_size: Callable[..., Any], in_cells: Callable[[torch.Tensor], An
             torch._dynamo.mark_static(cells, 3)
             torch._dynamo.mark_static(cells, 5)
             if any_batch:
-                torch._dynamo.decorators.mark_unbacked(cells, 0, hint_override=cells.shape[0])
+                _mark_batch_unbacked(cells)
             return in_cells(cells)
         return any_size(*args, **kwargs)
 
@@ -294,7 +295,7 @@ def _any_batch(compiled: Callable[..., Any]) -> Callable[..., Any]:
         if not isinstance(x, torch.Tensor) or x.dim() != 4 or torch.compiler.is_compiling():
             return compiled(*args, **kwargs)
         before = {k: v.copy() if isinstance(v, (dict, set)) else v for k, v in x.__dict__.items()}
-        torch._dynamo.decorators.mark_unbacked(x, 0, hint_override=x.shape[0])
+        _mark_batch_unbacked(x)
         try:
             return compiled(x)
         finally:
@@ -304,6 +305,20 @@ def _any_batch(compiled: Callable[..., Any]) -> Callable[..., Any]:
                 setattr(x, key, value)
 
     return call
+
+
+def _mark_batch_unbacked(x: torch.Tensor) -> None:
+    """Mark ``x``'s dim 0 unbacked for Dynamo, with its size as Inductor's hint where this torch takes one."""
+    mark = torch._dynamo.decorators.mark_unbacked
+    if _takes_hint():
+        mark(x, 0, hint_override=x.shape[0])
+    else:  # pragma: no cover - torch without hint_override
+        mark(x, 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _takes_hint() -> bool:
+    return "hint_override" in inspect.signature(torch._dynamo.decorators.mark_unbacked).parameters
 
 
 def _batch_free(part: nn.Module) -> bool:
