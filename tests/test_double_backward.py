@@ -50,8 +50,8 @@ def test_gradient_penalty_weight_gradients_match_timm(name: str, monkeypatch: py
     recomputed: list[int] = []
     if own:
         monkeypatch.setattr(cpu_window_attention, "MIN_BYTES", 0)
-        math = cpu_window_attention._windows_math
-        monkeypatch.setattr(cpu_window_attention, "_windows_math", lambda *a: recomputed.append(1) or math(*a))
+        math = cpu_window_attention._math
+        monkeypatch.setattr(cpu_window_attention, "_math", lambda *a: recomputed.append(1) or math(*a))
         name = name[:-4]
     size = (128, 128)  # window multiples at every stage (timm pads differently, see windows.py), square for MViTv2
     if name == "mvitv2_tiny":

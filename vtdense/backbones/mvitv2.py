@@ -60,7 +60,7 @@ from vtdense.layers import chunked
 from vtdense.layers.chunked import chunking_applies, row_slices
 from vtdense.layers.tracing import exporting, tracing
 from vtdense.layers.depthwise_conv import depthwise_conv_nhwc
-from vtdense.layers.opaque_conv import patch_conv
+from vtdense.layers.opaque_conv import OpaqueConv2d, patch_conv
 from vtdense.layers.decomposed_attention import (
     compiled_decomposed_attention,
     compiled_decomposed_attention_applies,
@@ -149,15 +149,13 @@ class MultiScaleAttention(nn.Module):
 
         self.qkv = nn.Linear(dim, 3 * dim_out, bias=qkv_bias)
         self.proj = nn.Linear(dim_out, dim_out)
-        # One depthwise conv over the head channels, shared by all heads.
-        self.pool_q = nn.Conv2d(hd, hd, 3, stride=stride_q, padding=1, groups=hd, bias=False)
+        # One depthwise conv over the head channels, shared by all heads (compiled, one op: see _pool).
+        self.pool_q = OpaqueConv2d(hd, hd, 3, stride=stride_q, padding=1, groups=hd, bias=False)
         self.norm_q = _layer_norm(hd)
-        self.pool_k = nn.Conv2d(hd, hd, 3, stride=stride_kv, padding=1, groups=hd, bias=False)
+        self.pool_k = OpaqueConv2d(hd, hd, 3, stride=stride_kv, padding=1, groups=hd, bias=False)
         self.norm_k = _layer_norm(hd)
-        self.pool_v = nn.Conv2d(hd, hd, 3, stride=stride_kv, padding=1, groups=hd, bias=False)
+        self.pool_v = OpaqueConv2d(hd, hd, 3, stride=stride_kv, padding=1, groups=hd, bias=False)
         self.norm_v = _layer_norm(hd)
-        for pool in (self.pool_q, self.pool_k, self.pool_v):
-            pool._vtdense_traced_as_op = True  # compiled, _pool runs it as one op (vtdense.models.compile._batch_free)
         # Table length as in the reference: offsets of the nominal query/key grids.
         span = 2 * max(feat_size // stride_q, feat_size // stride_kv) - 1
         self.rel_pos_h = nn.Parameter(torch.zeros(span, hd))
@@ -181,7 +179,7 @@ class MultiScaleAttention(nn.Module):
             return tuple(linear(x, w, b) for w, b in zip(weight.split(c), bias))  # type: ignore[return-value]
         return tuple(t.contiguous() for t in lin(x).chunk(3, dim=-1))  # type: ignore[return-value]
 
-    def _pool(self, y: Tensor, pool: nn.Conv2d, norm: nn.LayerNorm) -> Tensor:
+    def _pool(self, y: Tensor, pool: OpaqueConv2d, norm: nn.LayerNorm) -> Tensor:
         """Pool every head of ``y`` (``(B, H, W, heads * d)``, dense) and normalise:
         ``(B, H', W', heads, d)``, contiguous.
 
@@ -190,7 +188,7 @@ class MultiScaleAttention(nn.Module):
         batch; the input is channels-last as it stands."""
         B = y.shape[0]
         h, d = self.num_heads, self.head_dim
-        if not plain_module(pool, nn.Conv2d):  # a replaced or hooked pool: one call over (B * heads, d) maps
+        if not plain_module(pool, OpaqueConv2d):  # a replaced or hooked pool: one call over (B * heads, d) maps
             H, W = y.shape[1:3]
             z = pool(y.view(B, H, W, h, d).permute(0, 3, 4, 1, 2).reshape(B * h, d, H, W))
             return norm(z.view(B, h, d, *z.shape[2:]).permute(0, 3, 4, 1, 2).contiguous())

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from vtdense.layers.attention import get_attention_backend
+from vtdense.layers.attention import _math, get_attention_backend
 from vtdense.layers.chunked import CHUNK_BYTES, NormLinearGrads, training_chunking_applies, window_slices
 from vtdense.layers.cpu_linear import linear
 
@@ -73,12 +73,6 @@ def _attend_backward(q: Tensor, k: Tensor, v: Tensor, p: Tensor, go: Tensor, sca
     return dq, dk, dv, ds
 
 
-def _windows_math(q: Tensor, k: Tensor, v: Tensor, term: Tensor, scale: float) -> Tensor:
-    """``softmax(scale * q k^T + term) v`` in differentiable torch ops: ``q, k, v`` ``(B, nW, heads, N,
-    d)``, ``term`` ``(heads, N, N)`` or ``(nW, heads, N, N)`` -> ``(B, nW, heads, N, dv)``."""
-    return torch.matmul((torch.matmul(q, k.transpose(-2, -1)) * scale + term).softmax(-1), v)
-
-
 def _graph_grads(out: Tensor, inputs: list[Tensor | None], needs: tuple[bool, ...], grad: Tensor) -> list[Tensor | None]:
     """The gradients of ``out`` (for ``grad``) with respect to those ``inputs`` that ``needs`` asks for,
     on the graph: the backward under ``create_graph``, whose result must itself be differentiable."""
@@ -119,8 +113,8 @@ class _QkvWindowAttention(torch.autograd.Function):
         qk, v_src, term, *probs = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph: a differentiable recomputation (second derivatives)
             v = qk[:, :, :, 2] if v_src is None else v_src
-            out = _windows_math(qk[:, :, :, 0].transpose(2, 3), qk[:, :, :, 1].transpose(2, 3), v.transpose(2, 3), term,
-                                ctx.scale)
+            out = _math(qk[:, :, :, 0].transpose(2, 3), qk[:, :, :, 1].transpose(2, 3), v.transpose(2, 3), term,
+                        ctx.scale, 0.0)  # (the term broadcasts over (B, nW, heads, N, N))
             return (*_graph_grads(out, [qk, v_src, term], ctx.needs_input_grad[:3], grad), None)
         need_qk, need_v, need_term, _ = ctx.needs_input_grad
         B, nW, N, _, h, d = qk.shape
@@ -183,7 +177,7 @@ class _NormQkvWindowAttention(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph: a differentiable recomputation (second derivatives)
             B, nW, N, C = x.shape
             qkv = F.linear(F.layer_norm(x, (C,), norm_w, norm_b, ctx.eps), w, b).view(B, nW, N, 3, ctx.heads, -1)
-            out = _windows_math(*qkv.permute(3, 0, 1, 4, 2, 5).unbind(0), term, ctx.scale)
+            out = _math(*qkv.permute(3, 0, 1, 4, 2, 5).unbind(0), term, ctx.scale, 0.0)
             needs = ctx.needs_input_grad
             return (*_graph_grads(out, [x, norm_w, norm_b, None, w, b, term], needs[:7], grad), None, None, None)
         qkvs, probs = rest[:ctx.n_chunks], rest[ctx.n_chunks:]

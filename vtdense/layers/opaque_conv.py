@@ -15,6 +15,8 @@ eager code gives the conv: channels-last on the CPU for the patch embeddings (wh
 channels-last there, :func:`vtdense.backbones.base.cpu_channels_last`), contiguous otherwise (the
 backbones' maps reach the FPN contiguous), so compiled code computes what eager code does. Eager
 calls, ``torch.export`` / ONNX graphs and ``torch.func`` transforms keep ``nn.Conv2d.forward``.
+MViTv2's pooling convs are of this class too; a plain one runs through its own channels-last op
+(:mod:`vtdense.layers.depthwise_conv`), a hooked one is called as a module and so runs as this op.
 """
 
 from __future__ import annotations

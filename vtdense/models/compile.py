@@ -42,7 +42,6 @@ from torch import nn
 
 from vtdense.layers.drop import DropPath
 from vtdense.layers.opaque_conv import OpaqueConv2d
-from vtdense.layers.plain import plain_module
 
 __all__ = ["check_compile_option", "compile_backbone", "backbone_module", "is_compiled"]
 
@@ -323,15 +322,13 @@ def _takes_hint() -> bool:
 
 def _batch_free(part: nn.Module) -> bool:
     """Whether ``part`` may trace its batch unbacked (:func:`_any_batch`): no conv or batch norm in it
-    but those vtdense runs as opaque ops in compiled graphs (the patch embeddings' and the FPN's
-    :class:`~vtdense.layers.opaque_conv.OpaqueConv2d`, MViTv2's pooling convs). A traced ``F.conv2d``
+    but :class:`~vtdense.layers.opaque_conv.OpaqueConv2d`, which runs as an opaque op in compiled graphs
+    (the patch embeddings, the FPN, MViTv2's pooling convs). A traced ``F.conv2d``
     on an unbacked batch states a memory format that the real conv may not return (Inductor then
     stops at its layout check), and a batch norm checks the batch's size, so a part with other convs
     (a backbone of a user's own, a replaced layer) keeps a batch of 1 as a graph of its own."""
     for m in part.modules():
-        if isinstance(m, OpaqueConv2d) or (getattr(m, "_vtdense_traced_as_op", False) and plain_module(m, nn.Conv2d)):
-            continue
-        if isinstance(m, (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)):
+        if isinstance(m, (nn.modules.conv._ConvNd, nn.modules.batchnorm._BatchNorm)) and not isinstance(m, OpaqueConv2d):
             return False
     return True
 
