@@ -308,6 +308,42 @@ def test_auto_keeps_whichever_library_is_faster(monkeypatch: pytest.MonkeyPatch)
         assert cpu_linear.cpu_matmul() == "onednn"
 
 
+def test_auto_times_the_weight_gradient_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The weight-gradient product (``mm_tn``) has its own probe: where oneDNN wins the linears but
+    its transposed copy makes it lose ``g.T @ x``, linears run on oneDNN and ``mm_tn`` on
+    ``torch.mm``; a forced backend takes both; on leaving the scope the old choice comes back."""
+    import time
+
+    plain_linear, onednn_tn = F.linear, cpu_linear._onednn_mm_tn
+
+    def slow(fn):  # noqa: ANN001, ANN202
+        def wrapped(*args):  # noqa: ANN002, ANN202
+            time.sleep(0.05)
+            return fn(*args)
+        return wrapped
+
+    g, x = torch.randn(300, 384), torch.randn(300, 96)
+    monkeypatch.setattr(cpu_linear.F, "linear", slow(plain_linear))
+    before = (cpu_linear._choice, cpu_linear._use, cpu_linear._use_tn)
+    for tn_slow, tn_op in ((True, "mm"), (False, "_linear_pointwise")):
+        monkeypatch.setattr(cpu_linear, "_onednn_mm_tn", slow(onednn_tn) if tn_slow else onednn_tn)
+        if not tn_slow:  # now the BLAS's product is the slow one
+            monkeypatch.setattr(cpu_linear.torch, "mm", slow(torch.ops.aten.mm))
+        with use_cpu_matmul("auto"):
+            assert cpu_linear.cpu_matmul() == "onednn"  # (resolved outside the counting mode)
+            monkeypatch.undo()  # the real kernels again, the choice kept
+            with _Ops() as ops:
+                got = mm_tn(g, x)
+            assert ops.counts == {tn_op: 1}, ops.counts
+            _close(got, g.t() @ x)
+        monkeypatch.setattr(cpu_linear.F, "linear", slow(plain_linear))
+    monkeypatch.undo()
+    assert (cpu_linear._choice, cpu_linear._use, cpu_linear._use_tn) == before
+    with use_cpu_matmul("onednn"), _Ops() as ops:
+        mm_tn(g, x)
+    assert ops.counts == {"_linear_pointwise": 1}, ops.counts
+
+
 def test_a_scope_packs_a_weight_only_for_calls_with_enough_rows() -> None:
     """Reordering a weight costs about what reading it does: a call with few rows runs oneDNN on the
     plain weight (faster for it), a call with :data:`PACK_MIN_ROWS` rows packs it, and every later

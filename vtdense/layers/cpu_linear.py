@@ -12,10 +12,15 @@ passes go through :func:`linear`, :func:`mm` and :func:`mm_tn`, which call oneDN
 :func:`cpu_matmul` says ``"onednn"``:
 
 - ``"auto"`` (the default, or the ``VTDENSE_CPU_MATMUL`` environment variable): the first call
-  (every backbone makes it when it is built) times one mid-sized linear both ways (a few
-  milliseconds, once per process, no random numbers drawn) and keeps oneDNN where it is at least
-  1.15x faster;
-- ``"onednn"`` or ``"blas"`` force one (:func:`set_cpu_matmul`, :func:`use_cpu_matmul`).
+  (every backbone makes it when it is built) times three mid-sized linears both ways (about
+  0.15 s, once per process, no random numbers drawn) and keeps oneDNN where it is at least
+  :data:`_PROBE_MARGIN` times as fast. It also times a weight gradient, ``g.T @ x`` over many rows,
+  both ways, and keeps the faster for :func:`mm_tn` alone: oneDNN takes its operands contiguous, so
+  there ``g.T`` or ``x.T`` is first copied, a transpose of a tall matrix that the BLAS, which reads
+  a transposed operand as it is, never makes. On a 2-core AMD EPYC (Zen 4) oneDNN ran the linears
+  1.08-1.14x as fast as MKL, while the BLAS ran the weight gradients 1.2-1.6x as fast as oneDNN
+  with its copy;
+- ``"onednn"`` or ``"blas"`` force one for all three (:func:`set_cpu_matmul`, :func:`use_cpu_matmul`).
 
 Inside ``torch.compile`` the same kernel runs as the custom op ``vtdense::onednn_linear`` (with
 its backward), so compiled code computes what eager code does. Everything else keeps ``F.linear``:
@@ -52,11 +57,14 @@ __all__ = ["linear", "apply_linear", "mm", "mm_tn", "linear_into", "packed_weigh
 #: Environment variable read at the first call: ``auto`` (default), ``onednn`` or ``blas``.
 ENV_VAR = "VTDENSE_CPU_MATMUL"
 _CHOICES = ("auto", "onednn", "blas")
-#: oneDNN must beat the BLAS by this factor in the probe to be chosen by ``"auto"``.
-_PROBE_MARGIN = 1.15
+#: oneDNN must beat the BLAS by this factor in the probe to be chosen by ``"auto"`` for linear
+#: layers. On the Zen 4 host oneDNN measured 1.08-1.14x in the probe and 1.08x over a whole Swin-T
+#: forward (475 against 515 ms at batch 8 and 224); it was 1.15 until 2026-11-28, which kept MKL there.
+_PROBE_MARGIN = 1.04
 
 _choice: str | None = None  # None: not read from the environment yet
 _use: bool | None = None  # the resolved choice, once made
+_use_tn: bool = False  # whether mm_tn goes through oneDNN too (resolved with _use)
 _local = threading.local()  # .cache: (data_ptr, shape, stride) -> (weight, version, packed copy) in packed_weights()
 
 
@@ -79,7 +87,7 @@ def set_cpu_matmul(name: str) -> None:
 def use_cpu_matmul(name: str) -> Iterator[None]:
     """Context-manager form of :func:`set_cpu_matmul` (for this process; the previous choice,
     and its probe result, come back on exit)."""
-    old = (_choice, _use)
+    old = (_choice, _use, _use_tn)
     set_cpu_matmul(name)
     try:
         yield
@@ -87,36 +95,47 @@ def use_cpu_matmul(name: str) -> Iterator[None]:
         _restore(old)
 
 
-def _restore(state: tuple[str | None, bool | None]) -> None:
-    global _choice, _use
-    _choice, _use = state
+def _restore(state: tuple[str | None, bool | None, bool]) -> None:
+    global _choice, _use, _use_tn
+    _choice, _use, _use_tn = state
 
 
-def _probe() -> bool:
-    """Whether oneDNN runs a ``(2048, 256) x (256, 768)`` linear at least :data:`_PROBE_MARGIN`
-    times as fast as ``F.linear`` (best of 5 each, after one untimed call)."""
+def _best(fn: Any, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (seconds), after one untimed call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+#: The probe's linears, ``(rows, in, out)``: the shapes of Swin-T's attention projection and of its
+#: third stage's MLP (most of its FLOPs). A 96-channel one was left out: alone it measured even
+#: (0.96-1.04x) on the Zen 4 host, where the whole forward ran 1.08x as fast on oneDNN.
+_PROBE_LINEARS = ((2048, 256, 768), (1024, 384, 1536), (1024, 1536, 384))
+
+
+def _probe() -> tuple[bool, bool]:
+    """(whether oneDNN runs :data:`_PROBE_LINEARS` at least :data:`_PROBE_MARGIN` times as fast as
+    ``F.linear``, in total; whether :func:`mm_tn`'s oneDNN form runs a ``(4096, 384)^T x (4096, 96)``
+    weight gradient faster than ``torch.mm``), each call the best of 3 after one untimed call."""
     with torch.no_grad():
-        x = torch.full((2048, 256), 0.01, device="cpu")  # (not a `with torch.device("meta")` default)
-        w = torch.full((768, 256), 0.02, device="cpu")
-
-        def best(fn: Any) -> float:
-            fn()
-            times = []
-            for _ in range(5):
-                t = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t)
-            return min(times)
-
-        blas = best(lambda: F.linear(x, w))
-        onednn = best(lambda: _lp(x, w, None))
-    return onednn * _PROBE_MARGIN <= blas
+        pairs = [(torch.full((n, k), 0.01, device="cpu"), torch.full((m, k), 0.02, device="cpu"))
+                 for n, k, m in _PROBE_LINEARS]
+        blas = sum(_best(lambda: F.linear(x, w), 3) for x, w in pairs)
+        onednn = sum(_best(lambda: _lp(x, w, None), 3) for x, w in pairs)
+        g, x = torch.full((4096, 384), 0.01, device="cpu"), torch.full((4096, 96), 0.02, device="cpu")
+        tn_blas = _best(lambda: torch.mm(g.t(), x), 3)
+        tn_onednn = _best(lambda: _onednn_mm_tn(g, x), 3)
+    return onednn * _PROBE_MARGIN <= blas, tn_onednn < tn_blas
 
 
 def cpu_matmul() -> str:
     """The backend float32 CPU linear layers use now: ``"onednn"`` or ``"blas"`` (``"auto"`` is
     resolved by its probe on the first call)."""
-    global _choice, _use
+    global _choice, _use, _use_tn
     if _use is None:
         if _choice is None:
             env = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
@@ -132,9 +151,9 @@ def cpu_matmul() -> str:
                 # a fake-tensor, FLOP-counting or other dispatch mode would see (and falsify) the
                 # probe: answer "blas" for now and decide at the first call outside such a mode
                 return "blas"
-            _use = _probe()
+            _use, _use_tn = _probe()
         else:
-            _use = _choice == "onednn"
+            _use = _use_tn = _choice == "onednn"
     return "onednn" if _use else "blas"
 
 
@@ -231,10 +250,15 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
 
 def mm_tn(g: Tensor, x: Tensor) -> Tensor:
     """``g.T @ x`` for ``g`` ``(n, m)`` and ``x`` ``(n, k)`` (a weight gradient: the sum over
-    the ``n`` rows), ``(m, k)``. With oneDNN the smaller of the two is transposed into a
-    contiguous copy. As :func:`mm`, plain ``torch.mm`` where autograd records."""
-    if not onednn_applies(g, x) or _recorded(g, x):
+    the ``n`` rows), ``(m, k)``. Through oneDNN where :func:`onednn_applies` and the probe (or a
+    forced ``"onednn"``) chose it for this product too; the smaller of the two is then transposed
+    into a contiguous copy. As :func:`mm`, plain ``torch.mm`` where autograd records."""
+    if not onednn_applies(g, x) or _recorded(g, x) or not _use_tn:
         return torch.mm(g.t(), x)
+    return _onednn_mm_tn(g, x)
+
+
+def _onednn_mm_tn(g: Tensor, x: Tensor) -> Tensor:
     if x.shape[1] < g.shape[1]:
         return _lp(x.t().contiguous(), g.t(), None).t().contiguous()
     return _lp(g.t().contiguous(), x.t(), None)
