@@ -11,7 +11,9 @@ Reported: the median step over all rounds, the ratio to the best peer, and the p
 step (each one a few microseconds of kernel time on a virtual machine).
 
 ``--mode train`` times a training step (forward and backward); ``--mode infer`` an inference
-forward under ``torch.inference_mode``.
+forward under ``torch.inference_mode``. ``--keep-freed-memory`` has every worker call
+:func:`vtdense.allocator.keep_freed_memory` first, as the recipes do; ``--keep-freed-env`` starts the
+workers with glibc's environment variables instead (:data:`KEEP_FREED`).
 
 Usage::
 
@@ -43,11 +45,18 @@ CONTENDERS = {
         "mvitv2_t": ["vtdense", "vtdense blas", "timm"],
     },
 }
+#: glibc's allocator told to keep freed memory: the environment of ``--keep-freed-env``'s workers.
+KEEP_FREED = {"MALLOC_MMAP_THRESHOLD_": "4294967296", "MALLOC_TRIM_THRESHOLD_": "68719476736"}
 DEFAULTS = {"train": ("512x768", 2, 3, 2), "infer": ("224x224", 8, 7, 3)}  # size, batch, steps, warm-up
 
 
 def _worker(contender: str, family: str, mode: str, size: tuple[int, int], batch: int, steps: int, threads: int,
-            warmup: int = 2) -> dict:
+            warmup: int = 2, keep_freed: bool = False) -> dict:
+    if keep_freed:
+        from vtdense.allocator import keep_freed_memory
+
+        if not keep_freed_memory():
+            raise SystemExit("--keep-freed-memory: this C library is not glibc")
     import torch
 
     from contenders import make_step
@@ -80,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--contenders", nargs="+", help="a subset of the family's contenders")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="each worker calls vtdense.allocator.keep_freed_memory() first, as the recipes do")
+    ap.add_argument("--keep-freed-env", action="store_true",
+                    help="start the workers with glibc's MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ set")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     d_size, d_batch, d_steps, d_warmup = DEFAULTS[args.mode]
@@ -94,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         ap.error(f"--size {size_s!r}: expected HxW, for example 512x768")
     if args.worker:
-        print(json.dumps(_worker(args.worker, args.family, args.mode, size, batch, steps, args.threads, warmup)))
+        print(json.dumps(_worker(args.worker, args.family, args.mode, size, batch, steps, args.threads, warmup,
+                                 args.keep_freed_memory)))
         return 0
     known = CONTENDERS[args.mode].get(args.family)
     if known is None:
@@ -108,15 +122,18 @@ def main(argv: list[str] | None = None) -> int:
         for contender in runs:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", contender, "--mode", args.mode,
                    "--family", args.family, "--size", size_s, "--batch", str(batch), "--steps", str(steps),
-                   "--warmup", str(warmup), "--threads", str(args.threads)]
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                   "--warmup", str(warmup), "--threads", str(args.threads)] + ["--keep-freed-memory"] * args.keep_freed_memory
+            env = {**os.environ, **KEEP_FREED} if args.keep_freed_env else None
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
             runs[contender].append(json.loads(out.strip().splitlines()[-1]))
     med = {c: statistics.median(t for r in rs for t in r["times"]) for c, rs in runs.items()}
     peers = [c for c in runs if not c.startswith("vtdense")]
     best = min((med[c] for c in peers), default=None)
     what = "training step" if args.mode == "train" else "inference"
     print(f"{args.family} {what}, batch {batch} at {size_s}, {args.threads} threads, "
-          f"{args.rounds} rounds x {steps} steps per contender after {warmup} warm-up, each in its own process")
+          f"{args.rounds} rounds x {steps} steps per contender after {warmup} warm-up, each in its own process"
+          + (", keep_freed_memory()" if args.keep_freed_memory else "")
+          + (", glibc's environment keeping freed memory" if args.keep_freed_env else ""))
     print("| contender | median ms | per-round medians | vs best peer | page faults / step |")
     print("|---|---|---|---|---|")
     for c, rs in runs.items():

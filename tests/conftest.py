@@ -21,6 +21,11 @@ from vtdense.data.synthetic import make_synthetic_coco
 # in subprocesses that set "auto" (tests/test_cpu_linear.py).
 os.environ.setdefault("VTDENSE_CPU_MATMUL", "onednn" if torch.backends.mkldnn.is_available() else "blas")
 
+# The recipes' entry point (vtdense.cli.run_script) tells glibc to keep freed memory. Several tests call
+# it inside this process, which would change the allocator of every test after them (and their RSS
+# readings). It is off here and in the tests' subprocesses; tests/test_allocator.py checks it.
+os.environ.setdefault("VTDENSE_KEEP_FREED_MEMORY", "0")
+
 #: Options of the session-wide tiny COCO dataset (3 classes: category ids 1, 3, 7).
 TINY_COCO_OPTIONS: dict[str, Any] = {
     "num_train": 12,

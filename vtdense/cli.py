@@ -31,6 +31,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from vtdense.allocator import enabled_by_environment, keep_freed_memory
 from vtdense.tasks.base import atomic_write_bytes, resolve_run_dir
 
 __all__ = [
@@ -64,7 +65,13 @@ def before_run():
 def run_script(main: Any) -> None:
     """Run a recipe's ``main()`` as a command: an error :func:`before_run` marked (a bad option, a
     missing file) prints ``error: <message>`` and exits with status 2, like an argparse error, instead
-    of a traceback through Lightning and jsonargparse; any other exception propagates unchanged."""
+    of a traceback through Lightning and jsonargparse; any other exception propagates unchanged.
+
+    First, unless ``VTDENSE_KEEP_FREED_MEMORY=0``, glibc is told to keep freed CPU memory in the
+    process (:func:`vtdense.allocator.keep_freed_memory`): each step then reuses the memory the last
+    one freed instead of faulting fresh pages in."""
+    if enabled_by_environment():
+        keep_freed_memory()
     try:
         main()
     except _USER_ERRORS as err:
