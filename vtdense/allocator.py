@@ -65,8 +65,8 @@ def keep_freed_memory(mmap_threshold: int = MMAP_THRESHOLD, trim_threshold: int 
     workers). glibc's adaptive threshold stays off afterwards, even if the values are set back.
 
     Returns:
-        ``True`` if glibc took both settings. ``False`` where the C library is not glibc, which is
-        then left as it was.
+        ``True`` if glibc took both settings. ``False`` where the C library is not glibc (then left
+        as it was) or glibc refused a setting.
 
     Raises:
         ValueError: ``mmap_threshold`` not in ``[0, 32 MiB]``, or ``trim_threshold`` negative or

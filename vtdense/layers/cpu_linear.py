@@ -18,8 +18,8 @@ passes go through :func:`linear`, :func:`mm` and :func:`mm_tn`, which call oneDN
   both ways, and keeps the faster for :func:`mm_tn` alone: oneDNN takes its operands contiguous, so
   there ``g.T`` or ``x.T`` is first copied, a transpose of a tall matrix that the BLAS, which reads
   a transposed operand as it is, never makes. On a 2-core AMD EPYC (Zen 4) oneDNN ran the linears
-  1.08-1.14x as fast as MKL, while the BLAS ran the weight gradients 1.2-1.6x as fast as oneDNN
-  with its copy;
+  1.06-1.11x as fast as MKL (1.11-1.14x with packed weights), while the BLAS ran the weight gradients
+  1.2-1.9x as fast as oneDNN with its copy;
 - ``"onednn"`` or ``"blas"`` force one for all three (:func:`set_cpu_matmul`, :func:`use_cpu_matmul`).
 
 Inside ``torch.compile`` the same kernel runs as the custom op ``vtdense::onednn_linear`` (with
@@ -58,7 +58,7 @@ __all__ = ["linear", "apply_linear", "mm", "mm_tn", "linear_into", "packed_weigh
 ENV_VAR = "VTDENSE_CPU_MATMUL"
 _CHOICES = ("auto", "onednn", "blas")
 #: oneDNN must beat the BLAS by this factor in the probe to be chosen by ``"auto"`` for linear
-#: layers. On the Zen 4 host oneDNN measured 1.08-1.14x in the probe and 1.08x over a whole Swin-T
+#: layers. On the Zen 4 host oneDNN measured 1.06-1.11x on the probe's linears and 1.08x over a whole Swin-T
 #: forward (475 against 515 ms at batch 8 and 224); it was 1.15 until 2026-11-28, which kept MKL there.
 _PROBE_MARGIN = 1.04
 
