@@ -12,7 +12,8 @@ from its heap, and to give the heap's free top back to the kernel only beyond 1 
 stays in the process for the next step, as PyTorch's CUDA caching allocator keeps GPU memory. The
 process's resident memory then stays near its peak instead of shrinking between steps. Blocks over
 32 MiB are still mapped and unmapped each time. vtdense's chunked CPU paths keep their temporaries
-under 8 MiB (:data:`vtdense.layers.chunked.CHUNK_BYTES`), so they avoid that case.
+under that: 8 MiB in inference (:data:`vtdense.layers.chunked.CHUNK_BYTES`), 16 MiB in the training
+MLP (:data:`vtdense.layers.chunked_mlp.TRAIN_CHUNK_BYTES`).
 
 The setting is for the whole process, so a library does not make it behind its user's back. The
 recipes (:func:`vtdense.cli.run_script`, which every ``recipes/*.py`` command goes through) apply it at
