@@ -11,7 +11,9 @@ are built in this process and timed interleaved: warm-up rounds, then ``repeats`
 call per contender. The report gives
 
 - the median time, the spread, images per second;
-- ``vs best peer``: the best peer's median over this row's (vtdense rows; higher is better);
+- ``vs best peer``: the best peer's median over this row's (vtdense rows; higher is better), and
+  in brackets the lowest and highest of the same ratio taken round by round (:func:`paired_ratios`:
+  the two calls of a round ran seconds apart, so a host that drifts during the run moves both);
 - achieved FLOP/s (the contender's own FLOPs counted with ``torch.utils.flop_counter``) against the
   device's dense matmul peak measured at the start of the same run;
 - peak memory: on the CPU the peak resident-set growth of one step in a fresh worker process
@@ -176,6 +178,15 @@ def _is_peer(contender: str) -> bool:
     return not contender.startswith("vtdense")
 
 
+def paired_ratios(peer_ms: list[float], own_ms: list[float]) -> list[float]:
+    """``peer / own`` for each round of :func:`common.interleaved_times` (its lists are in round
+    order), sorted: the spread of ``vs best peer`` within one run. A ratio of medians can mix a fast
+    round of one contender with a slow round of the other; a round's two calls ran moments apart."""
+    if len(peer_ms) != len(own_ms):
+        raise ValueError(f"paired_ratios: {len(peer_ms)} peer rounds against {len(own_ms)}")
+    return sorted(p / o for p, o in zip(peer_ms, own_ms))
+
+
 def parity(case: dict[str, Any], device: str) -> float | None:
     """Max abs difference of vtdense to timm on timm's (random) weights, batch 1, fp32."""
     import vtdense
@@ -304,6 +315,7 @@ def run_case(case: dict[str, Any], args: argparse.Namespace, peak_flops: float) 
         row["pct_of_peak"] = 100 * row["gflops_per_s"] * 1e9 / peak_flops if row["gflops_per_s"] else None
         if best is not None and not _is_peer(k):
             row["vs_best_peer"] = med[best] / m
+            row["vs_best_peer_rounds"] = paired_ratios(times[best], times[k])
             if memory.get(k) and memory.get(best):
                 row["memory_vs_best_peer"] = memory[k] / memory[best]
             if tensor_memory.get(k) and tensor_memory.get(best):
@@ -321,6 +333,15 @@ def _fmt(v: float | None, spec: str) -> str:
     return "" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
+def _ratio_cell(row: dict[str, Any]) -> str:
+    """``vs best peer`` with its per-round range, ``1.21 (1.17-1.24)`` (results of older runs: the ratio alone)."""
+    cell = _fmt(row.get("vs_best_peer"), ".2f")
+    rounds = row.get("vs_best_peer_rounds")
+    if cell and rounds and len(rounds) > 1:
+        cell += f" ({rounds[0]:.2f}-{rounds[-1]:.2f})"
+    return cell
+
+
 def markdown(report: dict[str, Any]) -> str:
     env = report["environment"]
     dev = report["device"]
@@ -335,7 +356,8 @@ def markdown(report: dict[str, Any]) -> str:
         + f". Total {report['seconds']:.0f} s.",
         "",
         "Every contender of a case ran in this process, interleaved (warm-up, then repeats, median). "
-        "`vs best peer` = the fastest non-vtdense contender's median / this row's (higher is better). "
+        "`vs best peer` = the fastest non-vtdense contender's median / this row's (higher is better); in brackets "
+        "the lowest and highest of that ratio round by round (the two calls of a round ran moments apart). "
         "Memory: " + ("peak RSS growth of one step in a fresh worker process (compiled rows: not measured)."
                       if dev == "cpu" else "`max_memory_allocated` above the model's own.")
         + " `mem/peer`: this row's memory over the fastest peer's.",
@@ -347,7 +369,7 @@ def markdown(report: dict[str, Any]) -> str:
         for r in case["rows"]:
             lines.append(
                 f"| {case['name']} | {r['contender']} | {r['median_ms']:.1f} | {r['min_ms']:.0f}-{r['max_ms']:.0f} | "
-                f"{r['images_per_s']:.1f} | {_fmt(r.get('vs_best_peer'), '.2f')} | {_fmt(r['gflops_per_s'], '.1f')} | "
+                f"{r['images_per_s']:.1f} | {_ratio_cell(r)} | {_fmt(r['gflops_per_s'], '.1f')} | "
                 f"{_fmt(r['pct_of_peak'], '.0f')} | {_fmt(r['memory_mib'], '.0f')} | {_fmt(r.get('memory_vs_best_peer'), '.2f')} |"
             )
         for k, e in case["errors"].items():
