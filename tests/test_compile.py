@@ -325,8 +325,8 @@ def test_while_a_cuda_graph_records_position_tables_and_biases_are_built_not_rea
 @pytest.mark.parametrize("version", ["swin_tiny", "swinv2_tiny"])
 def test_compiled_cpu_inference_calls_the_eager_kernels(version: str) -> None:
     """Compiled float32 CPU inference calls the kernels eager inference runs (oneDNN linear layers,
-    window attention image by image) as opaque ops, and gives eager's maps; with gradients it
-    keeps SDPA (the ops have no backward)."""
+    window attention image by image, the MLP over row chunks) as opaque ops, and gives eager's maps;
+    with gradients it keeps SDPA and the plain layers (the ops have no backward)."""
     from vtdense.layers.cpu_linear import use_cpu_matmul
 
     torch.manual_seed(0)
@@ -337,11 +337,13 @@ def test_compiled_cpu_inference_calls_the_eager_kernels(version: str) -> None:
         with torch.no_grad():
             expected = model(x)
         assert "vtdense.window_attention_cpu" in text and "vtdense.onednn_linear" in text
-        assert "scaled_dot_product_attention" not in text
+        # every block's MLP as one op, over eager's row chunks (no hidden activation of the whole batch)
+        assert text.count("vtdense.cpu_mlp") == sum(TINY["depths"])
+        assert "scaled_dot_product_attention" not in text and "gelu" not in text
         for k in got:
             torch.testing.assert_close(got[k], expected[k], rtol=1e-5, atol=1e-5)
         text, _ = _graph_text(model, x, train=True)
-        assert "scaled_dot_product_attention" in text and "window_attention_cpu" not in text
+        assert "scaled_dot_product_attention" in text and "window_attention_cpu" not in text and "cpu_mlp" not in text
 
 
 def _graph_text(model: torch.nn.Module, x: torch.Tensor, train: bool = False, **options: object) -> tuple[str, dict]:

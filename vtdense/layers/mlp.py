@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from vtdense.layers.chunked import row_slices, tracing
 from vtdense.layers.chunked_mlp import chunked_mlp, chunked_mlp_applies
+from vtdense.layers.compiled_mlp import compiled_cpu_mlp, compiled_cpu_mlp_applies
 from vtdense.layers.cpu_linear import apply_linear, mm, mm_tn
 from vtdense.layers.cpu_linear import linear as _linear
 from vtdense.layers.fused_norm import norm_for_linears
@@ -262,7 +263,8 @@ class Mlp(nn.Module):
     Training without dropout keeps only ``fc1``'s output for the backward pass and recomputes
     the GELU (see :func:`gelu_linear`); the results are the same. On the CPU outside autocast, a
     hidden activation of 16 MiB or more makes the whole MLP, forward and backward, run over
-    cache-sized row chunks (:func:`~vtdense.layers.chunked_mlp.chunked_mlp`).
+    cache-sized row chunks (:func:`~vtdense.layers.chunked_mlp.chunked_mlp`); compiled float32 CPU
+    inference runs it over row chunks too, as one op (:mod:`vtdense.layers.compiled_mlp`).
 
     Args:
         dim: input channels.
@@ -285,6 +287,8 @@ class Mlp(nn.Module):
         if (self.drop.p and self.training) or not plain_gelu(self.act):
             x = norm(x) if norm is not None else x
             return self.drop(apply_linear(self.fc2, self.drop(self.act(apply_linear(self.fc1, x)))))
+        if compiled_cpu_mlp_applies(x, self, norm):  # compiled CPU inference: eager's row chunks, as one op
+            return self.drop(compiled_cpu_mlp(x, self, norm))
         if ((norm is None or plain_layer_norm(norm)) and plain_linear(self.fc1) and plain_linear(self.fc2)
                 and chunked_mlp_applies(x, self.fc1.out_features)):
             return self.drop(chunked_mlp(x, self.fc1, self.fc2, norm))
