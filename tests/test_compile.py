@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import vtdense
@@ -521,3 +522,22 @@ def test_compile_backbone_option_is_checked_before_the_run() -> None:
         compiled = part._compiled_call_impl
         task.configure_model()  # idempotent
         assert compiled is not None and part._compiled_call_impl is compiled and list(task.state_dict()) == keys
+
+
+def test_compiled_cpu_mlp_op_equals_the_layers_and_takes_an_empty_batch() -> None:
+    """``vtdense::cpu_mlp`` (compiled float32 CPU inference's MLP, over eager's row chunks): the plain
+    layers' values with and without a pre-norm, for more rows than one chunk, and no rows at all."""
+    from vtdense.layers.compiled_mlp import compiled_cpu_mlp
+    from vtdense.layers.cpu_linear import use_cpu_matmul
+    from vtdense.layers.mlp import Mlp
+
+    torch.manual_seed(0)
+    mlp, norm = Mlp(24, 96).eval(), torch.nn.LayerNorm(24)
+    with torch.no_grad():
+        norm.weight.normal_(), norm.bias.normal_()
+    x = torch.randn(3, 40000, 24)  # 120000 rows of 96 hidden floats: several 8 MiB chunks
+    with use_cpu_matmul("onednn"), torch.no_grad():
+        for n in (norm, None):
+            ref = mlp.fc2(F.gelu(mlp.fc1(n(x) if n is not None else x)))
+            torch.testing.assert_close(compiled_cpu_mlp(x, mlp, n), ref, rtol=1e-5, atol=1e-5)
+        assert compiled_cpu_mlp(x[:0], mlp, norm).shape == (0, 40000, 24)

@@ -59,6 +59,8 @@ def _cpu_mlp(x: Tensor, has_norm: bool, norm_w: Optional[Tensor], norm_b: Option
              w1: Tensor, b1: Optional[Tensor], w2: Tensor, b2: Optional[Tensor]) -> Tensor:  # (typing's Optional: see decomposed_attention)
     rows = x.reshape(-1, x.shape[-1])
     out = rows.new_empty(rows.shape[0], w2.shape[0])
+    if not rows.shape[0]:  # (an empty batch: no chunks)
+        return out.view(*x.shape[:-1], w2.shape[0])
     with torch.no_grad(), packed_weights():  # each weight reordered once for all the chunks
         for sl in row_slices(rows.shape[0], w1.shape[0] * rows.element_size()):
             r = rows[sl]
