@@ -351,7 +351,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"Measured {env['date']} on {env.get('gpu', env['cpu'])} ({env['threads']} threads); torch {env['torch']}, "
         f"torchvision {env['torchvision']}, timm {env['timm']}, vtdense {env['vtdense']}. "
         f"Load average at start {env['load_average_at_start']} on {env['cpu_count']} cores. "
-        f"Dense {report['peak_dtype']} matmul peak measured in this run: **{report['peak_gflops']:.0f} GFLOP/s**"
+        + (f"Allocator: {env['allocator']} (timed rows; `--keep-freed-memory`). " if env.get("allocator", "default") != "default" else "")
+        + f"Dense {report['peak_dtype']} matmul peak measured in this run: **{report['peak_gflops']:.0f} GFLOP/s**"
         + _libraries_text(report.get("peak_by_library") or {})
         + f". Total {report['seconds']:.0f} s.",
         "",
@@ -467,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=0,
                     help="seconds for the whole run (0: no limit): cases get fewer repeats, then no memory pass, "
                     "then are left out (and listed) when the time left cannot hold them")
+    ap.add_argument("--keep-freed-memory", action="store_true",
+                    help="CPU: call vtdense.allocator.keep_freed_memory() first, as the recipes do: the steady state, where "
+                    "no contender page-faults its freed blocks in again at every step (default: a default process). "
+                    "The memory workers stay default processes")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"), help="Markdown file to update")
     ap.add_argument("--json", default="", help="JSON output (default: benchmarks/results-<device>.json)")
     args = ap.parse_args(argv)
@@ -480,6 +485,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     t0 = time.perf_counter()
     env = environment(args.device)
+    env["allocator"] = "default"
+    if args.keep_freed_memory and args.device == "cpu":
+        from vtdense.allocator import keep_freed_memory
+
+        env["allocator"] = "keep_freed_memory()" if keep_freed_memory() else "default (keep_freed_memory() not taken)"
     print(json.dumps(env), flush=True)
     peak_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     libraries = {}
