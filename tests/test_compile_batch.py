@@ -60,6 +60,40 @@ def test_one_training_graph_serves_batches_of_2_1_and_16(name: str, kwargs: dict
     assert _graphs() == first, f"recompiled for a new batch size: {first} -> {_graphs()} graphs"
 
 
+
+def test_the_gpu_code_path_under_bf16_autocast_serves_every_batch_in_one_training_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a GPU traces, as far as the CPU can show it: attention's inputs laid out for SDPA's fused
+    kernels (row-padded terms, SDPA rather than the CPU's window op), the recomputation through
+    saved-tensor hooks, bf16 autocast. The unbacked batch still makes one training graph for batches
+    of 2, 1 and 16, with eager's outputs (bf16) and gradients. Left to a GPU: Inductor's CUDA code,
+    the CUDA kernels' own size checks, and the Triton window attention that bf16 training takes
+    there (its compiled ops are checked in Triton's interpreter by ``test_triton_window_attention``)."""
+    import vtdense.layers.attention as attention_mod
+    import vtdense.layers.mlp as mlp_mod
+
+    monkeypatch.setattr(attention_mod, "_GPU_LAYOUT_ON_CPU", True)
+    monkeypatch.setattr(mlp_mod, "_form", "hooks")  # the recomputation's GPU form
+    torch.manual_seed(0)
+    twin = vtdense.create_backbone("swin_tiny", **{**SWIN, "window_size": 7}).train()  # 49 tokens: row-padded terms
+    model = copy.deepcopy(twin)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_backbone(model, "aot_eager", fullgraph=True)
+    for batch in (2, 1, 16):
+        x = torch.randn(batch, 3, 160, 192)
+        grads, outs = [], []
+        for m in (model, twin):
+            m.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", torch.bfloat16):
+                out = m(x)
+            assert all(v.dtype == torch.bfloat16 for v in out.values())
+            sum((v.float() * torch.linspace(0.5, 1.5, v.numel()).view_as(v)).sum() for v in out.values()).backward()
+            outs.append(torch.cat([v.float().flatten() for v in out.values()]))
+            grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
+        assert (outs[0] - outs[1]).norm() <= 1e-2 * outs[1].norm(), batch
+        assert (grads[0] - grads[1]).norm() <= 3e-2 * grads[1].norm(), batch
+    assert _graphs() == 1, f"recompiled for a new batch size: {_graphs()} graphs"
+
 def test_the_any_size_graph_serves_every_batch_too_and_leaves_the_input_unmarked() -> None:
     torch.manual_seed(0)
     twin = vtdense.create_backbone("swin_tiny", **SWIN).eval()
