@@ -60,7 +60,6 @@ def test_one_training_graph_serves_batches_of_2_1_and_16(name: str, kwargs: dict
     assert _graphs() == first, f"recompiled for a new batch size: {first} -> {_graphs()} graphs"
 
 
-
 def test_the_gpu_code_path_under_bf16_autocast_serves_every_batch_in_one_training_graph(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a GPU traces, as far as the CPU can show it: attention's inputs laid out for SDPA's fused
     kernels (row-padded terms, SDPA rather than the CPU's window op), the recomputation through
@@ -93,6 +92,7 @@ def test_the_gpu_code_path_under_bf16_autocast_serves_every_batch_in_one_trainin
         assert (outs[0] - outs[1]).norm() <= 1e-2 * outs[1].norm(), batch
         assert (grads[0] - grads[1]).norm() <= 3e-2 * grads[1].norm(), batch
     assert _graphs() == 1, f"recompiled for a new batch size: {_graphs()} graphs"
+
 
 def test_the_any_size_graph_serves_every_batch_too_and_leaves_the_input_unmarked() -> None:
     torch.manual_seed(0)
