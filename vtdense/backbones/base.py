@@ -71,10 +71,18 @@ def _floats_constant() -> bool:
     return bool(torch._dynamo.config.specialize_float)
 
 
-def _as_region(block: nn.Module) -> bool:
+def _as_region(block: nn.Module, x: Tensor) -> bool:
     """Whether ``block`` is traced as a nested compile region: while ``torch.compile`` traces (not
     ``torch.export``), and where no hook of the block, of a module in it, or a global module hook
-    observes its calls (a hook's side effects keep the block inlined, as Dynamo traces them)."""
+    observes its calls (a hook's side effects keep the block inlined, as Dynamo traces them).
+
+    Not in training under autocast: torch 2.14 traces a reused region's backward again on its own,
+    and there SDPA's decomposition no longer sees autocast's casts (its softmax backward then gets a
+    bf16 gradient for a float32 input: "expected scalar type Float but found BFloat16"; three
+    blocks each calling SDPA with a mask, CPU bf16 autocast, ``aot_eager``). Blocks stay inlined
+    there; inference under autocast and float32 training keep their regions."""
+    if torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
+        return False
     return (_COMPILE_REGIONS and _block_region is not None and torch.compiler.is_compiling() and not exporting()
             and _floats_constant()
             and not block._forward_hooks and not block._forward_pre_hooks and not hooks_below(block))
@@ -98,7 +106,7 @@ def run_blocks(blocks: Iterable[nn.Module], x: Tensor, grad_checkpointing: bool 
     for block in blocks:
         if grad_checkpointing and torch.is_grad_enabled():
             x = checkpoint(block, x, use_reentrant=False)
-        elif _as_region(block):
+        elif _as_region(block, x):
             x = _block_region(block, x)  # type: ignore[misc]
         else:
             x = block(x)
