@@ -25,12 +25,13 @@ _COMPILE_REGIONS = True
 
 
 def set_compile_regions(enabled: bool = True) -> None:
-    """Whether ``torch.compile`` traces each backbone block as a nested compile region (the default),
-    or inlines every block into one flat graph.
+    """Whether ``torch.compile`` traces each backbone block as a nested compile region in graphs
+    without gradients (the default), or inlines every block into one flat graph. Graphs that record
+    gradients always inline them (see :func:`_as_region`: torch 2.14 trains reused regions wrongly).
 
     Blocks of a stage are the same computation on the same sizes, so torch compiles a block once
     and calls that code again for every later block it matches (``torch.compiler.nested_compile_region``:
-    Dynamo reuses the traced block, AOT autograd and Inductor its forward and backward): Swin-T's
+    Dynamo reuses the traced block, AOT autograd and Inductor its code): Swin-T's
     12 blocks compile as 8 (its 4 stages, shifted or not), Swin-S's 24 as 8. Blocks match where
     their constants do; drop-path rates are graph inputs (:class:`vtdense.layers.drop.DropPath`),
     so stochastic depth does not tell blocks apart. Outputs are the same either way; what changes is the
@@ -71,20 +72,22 @@ def _floats_constant() -> bool:
     return bool(torch._dynamo.config.specialize_float)
 
 
-def _as_region(block: nn.Module, x: Tensor) -> bool:
+def _as_region(block: nn.Module) -> bool:
     """Whether ``block`` is traced as a nested compile region: while ``torch.compile`` traces (not
-    ``torch.export``), and where no hook of the block, of a module in it, or a global module hook
-    observes its calls (a hook's side effects keep the block inlined, as Dynamo traces them).
+    ``torch.export``) without gradients, and where no hook of the block, of a module in it, or a
+    global module hook observes its calls (a hook's side effects keep the block inlined, as Dynamo
+    traces them).
 
-    Not in training under autocast: torch 2.14 traces a reused region's backward again on its own,
-    and there SDPA's decomposition no longer sees autocast's casts (its softmax backward then gets a
-    bf16 gradient for a float32 input: "expected scalar type Float but found BFloat16"; three
-    blocks each calling SDPA with a mask, CPU bf16 autocast, ``aot_eager``). Blocks stay inlined
-    there; inference under autocast and float32 training keep their regions."""
-    if torch.is_grad_enabled() and torch.is_autocast_enabled(x.device.type):
-        return False
+    Not where gradients are recorded: on torch 2.14.1 a region reused by two or more later blocks
+    trains wrongly. With Inductor and dynamic sizes, Swin-T's stage-3 blocks 5 and 6 got wrong
+    ``norm1.weight`` gradients (relative errors 1.0 and 0.79; 0.05 on the bias tables; 3e-6 with the
+    blocks inlined), and with torch alone, three calls of one region with a LayerNorm, a linear and
+    SDPA gave the first call's parameters zero gradients. Under autocast the reused region's backward
+    also lost autocast's casts ("expected scalar type Float but found BFloat16"). So training graphs
+    inline every block, and inference graphs keep the regions (outputs measured equal to eager's,
+    Inductor included)."""
     return (_COMPILE_REGIONS and _block_region is not None and torch.compiler.is_compiling() and not exporting()
-            and _floats_constant()
+            and not torch.is_grad_enabled() and _floats_constant()
             and not block._forward_hooks and not block._forward_pre_hooks and not hooks_below(block))
 
 
@@ -106,7 +109,7 @@ def run_blocks(blocks: Iterable[nn.Module], x: Tensor, grad_checkpointing: bool 
     for block in blocks:
         if grad_checkpointing and torch.is_grad_enabled():
             x = checkpoint(block, x, use_reentrant=False)
-        elif _as_region(block, x):
+        elif _as_region(block):
             x = _block_region(block, x)  # type: ignore[misc]
         else:
             x = block(x)

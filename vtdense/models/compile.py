@@ -21,8 +21,8 @@ convs guard on the batch (the convs of the compiled part run as one opaque op ea
 :mod:`vtdense.layers.opaque_conv`).
 
 Both graphs trace with Python floats constant (see :func:`_traced_with`), and so take each backbone
-block as a nested compile region: the matching blocks of a stage are compiled once
-(:func:`vtdense.backbones.base.set_compile_regions`).
+block as a nested compile region where no gradient is recorded: the matching blocks of a stage are
+compiled once (:func:`vtdense.backbones.base.set_compile_regions`). Training graphs inline every block.
 
 On a GPU this fuses the many elementwise kernels (casts, adds, norms) of each block, which is
 what a host-bound bf16 detector step spends its time launching. On a CPU the backbone is
