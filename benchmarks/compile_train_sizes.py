@@ -22,8 +22,10 @@ Usage::
     python benchmarks/compile_train_sizes.py --full --families swin-s --sizes 512x768 --steps 5 [--flat]
 
 ``--flat`` compiles the blocks inline rather than as nested compile regions (a stage's matching
-blocks compiled once; ``vtdense.backbones.base.set_compile_regions``); ``swin-s`` (Swin-S's 18-block
-stage) is where that differs most.
+blocks compiled once; ``vtdense.backbones.base.set_compile_regions``). Since 2026-11-28 training graphs
+inline every block anyway (torch 2.14.1 trained reused regions wrongly; ``benchmarks/RESULTS.md``,
+"Compile: reused regions trained wrongly"), so it changes nothing here; it is kept for a torch that
+fixes them.
 
 ``--gpu-path`` compiles, on the CPU, the graph a GPU would (attention inputs in the GPU's layout; with
 ``TRITON_INTERPRET=1`` the Triton window attention's graph ops, run in Triton's interpreter): Inductor's
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     p.add_argument("--size-divisible", type=int, default=None,
                    help="compile_backbone's size_divisible (default: the backbone's deepest stride; 1: one graph for all sizes)")
     p.add_argument("--flat", action="store_true",
-                   help="compile the blocks inline (set_compile_regions(False)) instead of as nested compile regions")
+                   help="compile the blocks inline (set_compile_regions(False)); training graphs inline them anyway since 2026-11-28")
     p.add_argument("--steps", type=int, default=0,
                    help="then time this many more compiled and eager steps at the last size (medians)")
     p.add_argument("--gpu-path", action="store_true",
