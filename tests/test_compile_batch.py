@@ -18,8 +18,8 @@ from vtdense.layers.opaque_conv import OpaqueConv2d, opaque_convs
 from vtdense.models.compile import compile_backbone
 
 SWIN = dict(embed_dim=16, depths=(1, 1, 3, 1), num_heads=(1, 2, 2, 4), window_size=4, drop_path_rate=0.0)
-# Stage 3's first and third blocks match: compiled, the third reuses the first's region (torch 2.14),
-# which AOT autograd traces once more on its own.
+# Stage 3's first and third blocks match: in inference graphs the third reuses the first's region
+# (torch 2.14), which AOT autograd traces once more on its own; training graphs inline both.
 MVIT = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=1, window_size=8, drop_path_rate=0.0)
 
 
@@ -179,3 +179,22 @@ def test_the_conv_op_computes_the_conv_and_its_gradients(k: int, stride: int, pa
     args = (x, ref.weight.detach().requires_grad_(), None if ref.bias is None else ref.bias.detach().requires_grad_(),
             [stride, stride], [padding, padding], groups, channels_last)
     torch.library.opcheck(torch.ops.vtdense.conv2d, args)
+
+
+def test_inference_under_bf16_autocast_with_a_reused_region_serves_every_batch() -> None:
+    """Eval under bf16 autocast, where stage 3's third block reuses the first's region: SDPA's
+    decomposition broadcast the window term shared by the batch over the unbacked batch, a guard
+    on ``Eq(1, u0)`` that stopped the compile. One graph for batches of 2, 1 and 3, eager's outputs."""
+    torch.manual_seed(0)
+    twin = vtdense.create_backbone("swin_tiny", **SWIN).eval()
+    model = copy.deepcopy(twin)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_backbone(model, "aot_eager", fullgraph=True)
+    for batch in (2, 1, 3):
+        x = torch.randn(batch, 3, 160, 192)
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            got, want = model(x), twin(x)
+        for k in want:
+            assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], want[k]), (batch, k)
+    assert _graphs() == 1, f"recompiled for a new batch size: {_graphs()} graphs"

@@ -333,10 +333,10 @@ def attention(
     if backend == "sdpa":
         if term is not None and torch.compiler.is_compiling() and statically_known_true(term.shape[0] == 1):
             # A term shared by the batch, expanded to it (a view): compiled graphs trace the batch as
-            # an unbacked size, and SDPA's own decomposition (AOT autograd retraces a block region
-            # reused by a later block) asks whether that size is 1 to broadcast a term of 1, which
-            # cannot be answered for an unbacked size. (A term per image, of a symbolic first size,
-            # is left as it is.)
+            # an unbacked size, and SDPA's own decomposition (traced again for a block region reused
+            # by a later block, e.g. under autocast) asks whether that size is 1 to broadcast a term
+            # of 1, which cannot be answered for an unbacked size. (A term per image, of a symbolic
+            # first size, is left as it is.)
             term = term.expand(q4.shape[0], -1, -1, -1)
         out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=term, dropout_p=dropout, scale=scale)
     elif backend == "math":
