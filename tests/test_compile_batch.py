@@ -27,6 +27,18 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def _compiled_and_twin(name: str, kwargs: dict, train: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A backbone compiled by ``compile_backbone`` (``aot_eager``, the graph Inductor receives) and its
+    eager twin with the same weights; Dynamo's caches and counters cleared."""
+    torch.manual_seed(0)
+    twin = vtdense.create_backbone(name, **kwargs).train(train)
+    model = copy.deepcopy(twin)
+    torch._dynamo.reset()
+    counters.clear()
+    compile_backbone(model, "aot_eager", fullgraph=True)
+    return model, twin
+
+
 def _check_step(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, train: bool) -> None:
     """One step of the compiled ``model`` and of its eager ``twin``: equal outputs and gradients."""
     outs = []
@@ -48,12 +60,7 @@ def _check_step(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, 
 
 @pytest.mark.parametrize("name,kwargs", [("swin_tiny", SWIN), ("mvitv2_tiny", MVIT)], ids=["swin", "mvitv2"])
 def test_one_training_graph_serves_batches_of_2_1_and_16(name: str, kwargs: dict) -> None:
-    torch.manual_seed(0)
-    twin = vtdense.create_backbone(name, **kwargs).train()
-    model = copy.deepcopy(twin)
-    torch._dynamo.reset()
-    counters.clear()
-    compile_backbone(model, "aot_eager", fullgraph=True)  # the graph Inductor receives
+    model, twin = _compiled_and_twin(name, kwargs, train=True)
     _check_step(model, twin, torch.randn(2, 3, 192, 256), train=True)
     first = _graphs()
     assert first == 1
@@ -74,12 +81,7 @@ def test_the_gpu_code_path_under_bf16_autocast_serves_every_batch_in_one_trainin
 
     monkeypatch.setattr(attention_mod, "_GPU_LAYOUT_ON_CPU", True)
     monkeypatch.setattr(mlp_mod, "_form", "hooks")  # the recomputation's GPU form
-    torch.manual_seed(0)
-    twin = vtdense.create_backbone("swin_tiny", **{**SWIN, "window_size": 7}).train()  # 49 tokens: row-padded terms
-    model = copy.deepcopy(twin)
-    torch._dynamo.reset()
-    counters.clear()
-    compile_backbone(model, "aot_eager", fullgraph=True)
+    model, twin = _compiled_and_twin("swin_tiny", {**SWIN, "window_size": 7}, train=True)  # 49 tokens: row-padded terms
     for batch in (2, 1, 16):
         x = torch.randn(batch, 3, 160, 192)
         grads, outs = [], []
@@ -97,12 +99,7 @@ def test_the_gpu_code_path_under_bf16_autocast_serves_every_batch_in_one_trainin
 
 
 def test_the_any_size_graph_serves_every_batch_too_and_leaves_the_input_unmarked() -> None:
-    torch.manual_seed(0)
-    twin = vtdense.create_backbone("swin_tiny", **SWIN).eval()
-    model = copy.deepcopy(twin)
-    torch._dynamo.reset()
-    counters.clear()
-    compile_backbone(model, "aot_eager", fullgraph=True)
+    model, twin = _compiled_and_twin("swin_tiny", SWIN, train=False)
     x = torch.randn(2, 3, 163, 171)  # no multiple of 32: the any-size graph
     torch._dynamo.mark_dynamic(x, 2)  # a caller's own marking stays as it was
     _check_step(model, twin, x, train=False)
@@ -185,12 +182,7 @@ def test_inference_under_bf16_autocast_with_a_reused_region_serves_every_batch()
     """Eval under bf16 autocast, where stage 3's third block reuses the first's region: SDPA's
     decomposition broadcast the window term shared by the batch over the unbacked batch, a guard
     on ``Eq(1, u0)`` that stopped the compile. One graph for batches of 2, 1 and 3, eager's outputs."""
-    torch.manual_seed(0)
-    twin = vtdense.create_backbone("swin_tiny", **SWIN).eval()
-    model = copy.deepcopy(twin)
-    torch._dynamo.reset()
-    counters.clear()
-    compile_backbone(model, "aot_eager", fullgraph=True)
+    model, twin = _compiled_and_twin("swin_tiny", SWIN, train=False)
     for batch in (2, 1, 3):
         x = torch.randn(batch, 3, 160, 192)
         with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
