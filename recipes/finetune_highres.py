@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a sourc
 import yaml  # noqa: E402
 
 import vtdense  # noqa: E402
+from vtdense.backbones.swin import log_cpb_windows  # noqa: E402
 from vtdense.cli import run_recipe, run_script  # noqa: E402
 
 __all__ = ["DEMO_CONFIG", "FINETUNE_OVERRIDES", "demo", "main", "show_checkpoint_reports"]
@@ -48,11 +49,12 @@ __all__ = ["DEMO_CONFIG", "FINETUNE_OVERRIDES", "demo", "main", "show_checkpoint
 CONFIGS = Path(__file__).resolve().parent / "configs"
 #: Stage 1 of the demo (window 8, 128 px); stage 2 applies FINETUNE_OVERRIDES on top of it.
 DEMO_CONFIG = CONFIGS / "finetune_highres_demo.yaml"
-#: Stage 2 of the demo: window 16 from a window-8 checkpoint, 256 px crops, layer-wise lr decay.
+#: Stage 2 of the demo: window 16 from a window-8 checkpoint, 256 px crops, layer-wise lr decay;
+#: :func:`demo` adds the ``pretrained_window_size`` per stage that stage 1's crops trained with.
 FINETUNE_OVERRIDES: dict[str, Any] = {
     "model.backbone_kwargs": {
         "embed_dim": 32, "depths": [1, 1, 2, 1], "num_heads": [1, 2, 4, 8],
-        "window_size": 16, "pretrained_window_size": 8, "drop_path_rate": 0.1,
+        "window_size": 16, "drop_path_rate": 0.1,
     },
     "model.layer_decay": 0.75,
     "model.lr": 0.0005,
@@ -155,6 +157,14 @@ def demo(
         "trainer.default_root_dir": str(workdir / "finetune"),
         **(finetune_overrides or {}),
     }
+    # Swin V2's Log-CPB coordinates were normalised by the windows stage 1 trained with: window 8,
+    # shrunk to the map at the stages its crops made smaller than 8 (the last one at 128 px)
+    crop = stage1.get("data.crop_size") or yaml.safe_load(DEMO_CONFIG.read_text())["data"]["crop_size"]
+    tuned = dict(stage2["model.backbone_kwargs"])
+    if "pretrained_window_size" not in tuned:
+        windows = log_cpb_windows(kwargs["window_size"], crop, num_stages=len(tuned.get("depths", kwargs["depths"])))
+        tuned["pretrained_window_size"] = [list(w) for w in windows]
+        stage2["model.backbone_kwargs"] = tuned
     print("== stage 2: fine-tune at window 16 on 256 px crops from the saved backbone")
     after = run_recipe(SegmentationTask, ADE20KDataModule, DEMO_CONFIG, args=_flags(stage2))["val/mIoU"]
     verdict = "better" if after > before else "NOT better"

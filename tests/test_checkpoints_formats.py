@@ -215,8 +215,8 @@ def test_python2_detectron2_pickle_loads(tmp_path: Path) -> None:
 
 
 def test_unreadable_containers_name_the_file(tmp_path: Path) -> None:
-    """A truncated safetensors file, and a torch file holding something other than a state dict
-    (a training checkpoint whose weights sit under a key vtdense does not know): one
+    """A truncated safetensors file or detectron2 pickle, and a torch file holding something other
+    than a state dict (a training checkpoint whose weights sit under a key vtdense does not know): one
     :class:`CheckpointError` naming the file and saying what is wrong."""
     model = vtdense.create_backbone("swin_tiny", **SWIN)
     path = vtdense.save_backbone(model, tmp_path / "cut.safetensors")
@@ -227,6 +227,14 @@ def test_unreadable_containers_name_the_file(tmp_path: Path) -> None:
     torch.save({"net": model.state_dict(), "epoch": 3}, other)
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(other))}: not a state dict of tensors"):
         vtdense.load_pretrained(model, other)
+    # a detectron2 pickle cut short (an interrupted download), at any length
+    d2 = tmp_path / "model_final.pkl"
+    _write_d2_pickle(d2, {f"backbone.bottom_up.{k}": v for k, v in model.state_dict().items()})
+    whole = d2.read_bytes()
+    for cut in (whole[: len(whole) // 2], whole[:-1]):
+        d2.write_bytes(cut)
+        with pytest.raises(CheckpointError, match=rf"cannot read detectron2 pickle {re.escape(str(d2))}: (UnpicklingError|EOFError)"):
+            vtdense.load_pretrained(model, d2)
 
 
 def test_save_backbone_writes_safetensors_with_config_and_old_files_still_load(tmp_path: Path) -> None:
@@ -284,6 +292,10 @@ def test_larger_window_reports_why(tmp_path: Path, hub_cache) -> None:  # noqa: 
     mv = vtdense.save_backbone(vtdense.create_backbone("mvitv2_tiny", **MVIT), tmp_path / "mv.safetensors")
     report = vtdense.load_backbone(mv, img_size=448).load_report
     assert report.resized and all("rel-pos" in why for *_, why in report.resized)
+    assert not any("windowed blocks" in n for n in report.notes)  # global attention: no second resampling
+    mvw = vtdense.save_backbone(vtdense.create_backbone("mvitv2_tiny", **MVIT, window_size=16), tmp_path / "mvw.safetensors")
+    notes = vtdense.load_backbone(mvw, img_size=448).load_report.notes
+    assert len(notes) == 1 and "build with the checkpoint's img_size" in notes[0]
     # and a vtdense file from the Hub
     hub_cache("me/vt", {"model.safetensors": v2.read_bytes()})
     _same(vtdense.load_backbone(v2), vtdense.load_backbone("me/vt"))
@@ -300,6 +312,14 @@ def test_format_detection() -> None:
     for expected, sd in cases.items():
         report = vtdense.load_pretrained(vtdense.create_backbone("swin_tiny", **cfg), sd)
         assert report.format == expected
+    # the official layout under mmdet's prefix, with an mmdet detector's neck and heads
+    # (Swin-Transformer-Object-Detection): the backbone loads; the rest is named neck / head
+    heads = {"neck.fpn_convs.0.conv.weight": torch.zeros(1), "rpn_head.rpn_cls.weight": torch.zeros(1),
+             "roi_head.bbox_head.fc_cls.weight": torch.zeros(1)}
+    det = {**{f"backbone.{k}": v for k, v in official.items()}, **heads}
+    report = vtdense.load_pretrained(vtdense.create_backbone("swin_tiny", **cfg), {"state_dict": det})
+    assert report.format == "official"
+    assert {k: why for k, why in report.dropped if k in heads} == dict.fromkeys(heads, "not part of the backbone (neck / head)")
     with torch.device("meta"):  # key names suffice (loading torchvision layouts: tests/test_swin.py)
         tv = torchvision.models.swin_t().state_dict()
         assert detect_format(tv, vtdense.create_backbone("swin_tiny")) == "torchvision"
@@ -490,3 +510,20 @@ def test_load_backbone_sets_the_pretrained_window_only_where_it_keeps_a_meaning(
     again = vtdense.load_backbone(plain, window_size=4)
     assert pws(again) == {(0, 0)} and not again.config.get("pretrained_window_size")
     assert vtdense.load_backbone(plain, window_size=8).config["pretrained_window_size"] == [4, 4]
+
+
+@pytest.mark.parametrize("family,kwargs", [("swin_tiny", SWIN), ("mvitv2_tiny", MVIT)])
+def test_a_whole_checkpoint_loads_into_a_backbone_with_fewer_outputs(family: str, kwargs: dict, tmp_path: Path) -> None:
+    """A checkpoint of every stage and output norm loads strictly into a backbone built with fewer
+    outputs (the stages it does not build are skipped) or without output norms, by
+    ``create_backbone(pretrained=)`` and ``load_backbone`` alike; the rest loads as it is."""
+    full = randomize_(vtdense.create_backbone(family, **kwargs), seed=21)
+    path = vtdense.save_backbone(full, tmp_path / "full.safetensors")
+    for options in ({"out_indices": (0, 1, 2)}, {"out_indices": (1, 2, 3)}, {"out_norm": False}):
+        for model in (vtdense.create_backbone(family, pretrained=path, **kwargs, **options), vtdense.load_backbone(path, **options)):
+            own = model.state_dict()
+            assert own and all(torch.equal(v, full.state_dict()[k]) for k, v in own.items() if "relative_position_index" not in k)
+            built = {k.split(".")[1] for k in own if k.startswith(("layers.", "stages."))}
+            dropped = {k for k, _ in model.load_report.dropped}
+            assert dropped == {k for k in full.state_dict() if k not in own}, options
+            assert len(built) == (3 if options.get("out_indices") == (0, 1, 2) else 4)

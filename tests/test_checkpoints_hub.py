@@ -160,3 +160,40 @@ def test_task_backbone_weights_by_hub_id(timm_repo) -> None:
     )
     task.setup("fit")
     _assert_backbone_has(task.model.backbone.body, timm_repo)
+
+
+def test_swinv2_hub_checkpoint_gets_the_log_cpb_windows_it_was_trained_with(hub_cache) -> None:  # noqa: F811
+    """timm builds ``swinv2_*_window12to16_192to256`` with ``pretrained_window_sizes=(12, 12, 12, 6)``
+    (its window-12 pre-training at 192 px shrank the last stage's window to 6). Loaded by Hub id
+    into a Swin V2 given no ``pretrained_window_size``, vtdense takes those from the name and
+    equals timm; an explicit 0 keeps 0 (then the features differ) and the report says what to
+    pass. A plain ``window16_256`` checkpoint fine-tuned at window 24 gets (16, 16, 16, 8)."""
+    small = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1))
+    ref = randomize_(timm.create_model("swinv2_base_window12to16_192to256", pretrained=False, num_classes=0, **small), seed=3, std=0.3).eval()
+    repo = "timm/swinv2_base_window12to16_192to256.ms_in22k_ft_in1k"
+    hub_cache(repo, {"model.safetensors": ref.state_dict(), "config.json": {"architecture": "swinv2_base_window12to16_192to256"}})
+    x = torch.randn(1, 3, 256, 256)
+    with torch.no_grad():
+        expected = ref.forward_intermediates(x, intermediates_only=True)
+    ours = vtdense.create_backbone("swinv2_base", window_size=16, out_norm=False, pretrained=repo, **small).eval()
+    assert [s.blocks[0].attn.pretrained_window_size for s in ours.layers] == [(12, 12)] * 3 + [(6, 6)]
+    assert ours.config["pretrained_window_size"] == [[12, 12]] * 3 + [[6, 6]]
+    assert ours.load_report.notes == ["pretrained_window_size=(12, 12, 12, 6) set from the checkpoint (pass pretrained_window_size to choose another)"]
+    with torch.no_grad():
+        for want, got in zip(expected, ours(x).values()):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    zero = vtdense.create_backbone("swinv2_base", window_size=16, pretrained_window_size=0, out_norm=False, pretrained=repo, **small).eval()
+    assert "pass pretrained_window_size=(12, 12, 12, 6)" in zero.load_report.notes[0]
+    with torch.no_grad():
+        assert (zero(x)["stage1"] - expected[0]).abs().max() > 1e-3
+    wider = vtdense.create_backbone("swinv2_base", window_size=24, pretrained_window_size=16, **small)
+    assert "pass pretrained_window_size=(12, 12, 12, 6)" in vtdense.load_pretrained(wider, repo).notes[0]
+
+    plain = "timm/swinv2_tiny_window16_256.ms_in1k"
+    hub_cache(plain, {"model.safetensors": vtdense.create_backbone("swinv2_tiny", window_size=16, **small).state_dict(),
+                      "config.json": {"architecture": "swinv2_tiny_window16_256"}})
+    same = vtdense.create_backbone("swinv2_tiny", window_size=16, pretrained=plain, **small)
+    assert "pretrained_window_size" not in same.config and same.load_report.notes == []
+    larger = vtdense.create_backbone("swinv2_tiny", window_size=24, pretrained=plain, **small)
+    assert larger.config["pretrained_window_size"] == [[16, 16]] * 3 + [[8, 8]]
+    assert "normalised by pretrained_window_size=(16, 16, 16, 8)" in larger.load_report.notes[-1]

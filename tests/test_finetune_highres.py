@@ -42,17 +42,19 @@ def test_finetune_recipe_path_end_to_end(tmp_path: Path, capsys: pytest.CaptureF
     # stage 2 loaded every backbone tensor from it and said why nothing needed resizing
     assert f"checkpoint {saved} (safetensors, vtdense layout)" in text
     assert "0 resized, 0 derived, 0 dropped" in text
-    assert "normalised by pretrained_window_size=8" in text
+    # its pretrained windows are those stage 1 trained with: 8, shrunk to the 4 and 2 px maps of
+    # its 64 px crops at stages 3 and 4, which the saved file cannot know (the report says so)
+    assert "pretrained_window_size=(8, 8, 4, 2), smaller than the training window at stage(s) 3, 4" in text
     # stage 2 really ran at window 16 with pretrained window 8, from the saved weights
     run = sorted((tmp_path / "runs" / "finetune" / "lightning_logs").glob("version_*"))[-1]
     ckpt = json.loads((run / "metrics.json").read_text())["checkpoint"]
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     kwargs = state["hyper_parameters"]["backbone_kwargs"]
-    assert kwargs["window_size"] == 16 and kwargs["pretrained_window_size"] == 8
+    assert kwargs["window_size"] == 16 and kwargs["pretrained_window_size"] == [[8, 8], [8, 8], [4, 4], [2, 2]]
     assert state["hyper_parameters"]["layer_decay"] == 0.75
     tuned = vtdense.create_backbone("swinv2_tiny", **kwargs)
     vtdense.load_pretrained(tuned, ckpt)
-    assert tuned.layers[3].blocks[0].attn.pretrained_window_size == (8, 8)
+    assert [stage.blocks[0].attn.pretrained_window_size for stage in tuned.layers] == [(8, 8), (8, 8), (4, 4), (2, 2)]
 
 
 def test_recipe_rejects_unknown_task() -> None:

@@ -56,7 +56,9 @@ def create_backbone(name: str, pretrained: Any = None, **overrides: Any) -> nn.M
         name: one of :func:`list_backbones`.
         pretrained: optional weights, anything :func:`vtdense.load_pretrained` takes: a Hugging
             Face Hub id (``"timm/swin_tiny_patch4_window7_224.ms_in1k"``), a local file of any
-            supported format, or a state dict. The load's report is ``model.load_report``.
+            supported format, or a state dict. The load's report is ``model.load_report``. A
+            Swin V2 given no ``pretrained_window_size`` gets the checkpoint's where it is known
+            and 0 would change what its position coordinates mean (see the report's notes).
         **overrides: config fields to change (``window_size``, ``drop_path_rate``, ``out_indices``, ...).
 
     Raises:
@@ -72,10 +74,10 @@ def create_backbone(name: str, pretrained: Any = None, **overrides: Any) -> nn.M
             f"create_backbone({name!r}, pretrained=True): vtdense has no default weights; pass a Hub id "
             "(e.g. 'timm/swin_tiny_patch4_window7_224.ms_in1k'), a local checkpoint path or a state dict"
         )
+    if pretrained is not None:
+        from vtdense.checkpoints.convert import build_pretrained  # lazy: checkpoints import the backbones
+
+        return build_pretrained(name, pretrained, _BACKBONES[name], overrides)
     model = _BACKBONES[name](**overrides)
     model.config = {"name": name, **overrides}  # what save_backbone needs to rebuild it
-    if pretrained is not None:
-        from vtdense.checkpoints.convert import load_pretrained  # lazy: checkpoints import the backbones
-
-        model.load_report = load_pretrained(model, pretrained)
     return model

@@ -58,7 +58,7 @@ from vtdense.layers.windows import (
     windows_to_tokens,
 )
 
-__all__ = ["WindowAttention", "SwinBlock", "PatchMerging", "SwinTransformer"]
+__all__ = ["WindowAttention", "SwinBlock", "PatchMerging", "SwinTransformer", "log_cpb_windows"]
 
 
 def _logit_scale_max() -> float:
@@ -635,6 +635,34 @@ class SwinTransformer(Backbone):
         self.check_input(x)
         x = self.patch_embed(x)
         return self.emit_pyramid(x, self.layers)
+
+
+def log_cpb_windows(
+    window_size: int | Sequence[int],
+    image_size: int | Sequence[int],
+    pretrained_window_size: int | Sequence[Any] = 0,
+    num_stages: int = 4,
+    patch_size: int = 4,
+) -> list[tuple[int, int]]:
+    """Per stage, the ``(h, w)`` window a Swin V2 normalises its Log-CPB coordinates by when it
+    runs on ``image_size`` images: its ``pretrained_window_size`` where given, else the window in
+    use, which shrinks to a stage map smaller than ``window_size`` (maps: ``ceil(H / patch_size)``,
+    then halved, rounding up, at each later stage).
+
+    The value to pass as ``pretrained_window_size`` when fine-tuning such a model at a larger
+    window: window 12 at 192 px gives ``[(12, 12), (12, 12), (12, 12), (6, 6)]``, the
+    ``(12, 12, 12, 6)`` that timm builds its ``swinv2_*_window12to16_192to256`` models with.
+    """
+    window = to_2tuple(window_size, "window_size")
+    size = to_2tuple(image_size, "image_size")
+    fixed = _per_stage_windows(pretrained_window_size, num_stages)
+    maps = [-(-s // patch_size) for s in size]
+    out = []
+    for i in range(num_stages):
+        if i:
+            maps = [-(-m // 2) for m in maps]
+        out.append(fixed[i] if fixed[i] != (0, 0) else effective_window(tuple(maps), window, (0, 0))[0])
+    return out
 
 
 def _per_stage_windows(value: int | Sequence[Any], num_stages: int) -> list[tuple[int, int]]:

@@ -35,10 +35,11 @@ import torch
 from torch import Tensor, nn
 
 from vtdense.checkpoints.io import SAFETENSORS_CONFIG_KEY, CheckpointError, read_checkpoint, write_safetensors
-from vtdense.checkpoints.report import LoadReport, note_derived, note_resized
+from vtdense.checkpoints.report import LoadReport, note, note_derived, note_resized
 
 __all__ = [
     "CheckpointError",
+    "build_pretrained",
     "LoadReport",
     "convert_state_dict",
     "detect_format",
@@ -121,10 +122,16 @@ def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     # output norms: detectron2 / mmdet ``norm{i}`` (stage index), vtdense ``out_norms.stage{i+1}``
     sd = {re.sub(r"^norm(\d)\.", lambda m: f"out_norms.stage{int(m[1]) + 1}.", k): v for k, v in sd.items()}
     own = model.state_dict()
+    built = len(model.layers)
     out = {}
     for k, v in sd.items():
         if _DROP.search(k):
             continue
+        m = re.match(r"layers\.(\d+)\.", k)
+        if m and int(m[1]) >= built:
+            continue  # stages beyond the last requested output are not built
+        if k.startswith("out_norms.") and k not in own:
+            continue  # output norms of outputs the model does not emit (or out_norm=False)
         if k.endswith("attn.qkv.bias") and k not in own and k.replace("qkv.bias", "q_bias") in own:
             # one q/k/v bias (torchvision V2, whose k third is zeroed at run time) -> q_bias, v_bias
             q, _, vb = v.chunk(3)
@@ -250,6 +257,13 @@ def _convert_mvitv2(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor
         if re.search(r"\.rel_pos_[hw]$", k) and k in own and own[k].shape[0] != v.shape[0]:
             resized = resize_rel_pos_table(v, own[k].shape[0])  # checkpoint made for another img_size
             note_resized(k, v, resized, "MViTv2 decomposed rel-pos table resampled (linear) for the model's img_size / window")
+            if getattr(model.get_submodule(k.rsplit(".", 1)[0]), "window", 0):
+                # a windowed block resamples its table again, to its window, at run time
+                note(
+                    f"MViTv2 windowed blocks' rel-pos tables were resampled to img_size={model.img_size}'s length and are "
+                    "resampled again to the window's at run time, so they no longer hold the checkpoint's values: build "
+                    "with the checkpoint's img_size to keep them (detectron2's MViTv2 configs keep 224 at any input size)"
+                )
             v = resized
         out[k] = v
     return out
@@ -284,7 +298,10 @@ def detect_format(state_dict: Mapping[str, Tensor], model: nn.Module) -> str:
         return "vtdense" if has(r"(backbone\.)?out_norms\.") else "timm"
     if has(r"(backbone\.)?features\.\d"):
         return "torchvision"
-    if has(r"backbone\.layers\.\d"):  # an SMP encoder's (VtdenseEncoder) or a wrapped timm model's
+    if has(r"backbone\.layers\.\d"):  # an SMP encoder's (VtdenseEncoder), a wrapped timm model's, or
+        # the official layout under mmdet's prefix (Swin-Transformer-Object-Detection / -Semantic-Segmentation)
+        if "backbone.layers.0.downsample.reduction.weight" in state_dict:
+            return "official"
         return "vtdense" if has(r"backbone\.out_norms\.") else "timm"
     if has(r"(backbone\.)?stages\.\d") or has(r"backbone\."):
         return "mmdet"
@@ -319,54 +336,135 @@ def _drop_reason(key: str, prefixes_stripped: bool, whole_model: bool = False) -
     if _CLASSIFIER.search(bare):
         return "classification head / final norm"
     if prefixes_stripped and key.startswith(
-        ("backbone.", "model.", "roi_heads.", "proposal_generator.", "decode_head.", "auxiliary_head.", "aux_head.", "neck.")
+        ("backbone.", "model.", "roi_heads.", "proposal_generator.", "rpn_head.", "roi_head.", "bbox_head.", "mask_head.",
+         "decode_head.", "auxiliary_head.", "aux_head.", "neck.")
     ):
         return "not part of the backbone (neck / head)"
     return "stage or output the model does not build"
 
 
-def _source_window(config: dict | None, hub_config: dict | None) -> tuple[int, int] | None:
-    """Window of the checkpoint from its vtdense config or its Hub config.json."""
-    from vtdense.checkpoints.hub import window_from_hub_config
+def _source_windows(report: LoadReport, config: dict | None, hub_config: dict | None) -> None:
+    """Fill the report's ``source_window`` and Swin V2 ``source_log_cpb_*`` from the checkpoint's
+    vtdense config or its Hub config.json."""
+    from vtdense.checkpoints.hub import log_cpb_windows_from_hub_config, window_from_hub_config
     from vtdense.layers.windows import to_2tuple
 
     if config and "name" in config:
         from vtdense.backbones.registry import create_backbone
+        from vtdense.backbones.swin import SwinTransformer
 
         try:
             with torch.device("meta"):
                 built = create_backbone(config["name"], **{k: v for k, v in config.items() if k != "name"})
-            window = getattr(built, "window_size", None)
-            return to_2tuple(window) if window else None
         except (ValueError, TypeError):
-            return None
+            return
+        window = getattr(built, "window_size", None)
+        report.source_window = to_2tuple(window) if window else None
+        if isinstance(built, SwinTransformer) and built.version == 2:
+            fixed = [stage.blocks[0].attn.pretrained_window_size for stage in built.layers]
+            # not fixed: normalised by the window in use, which is the saved window unless the
+            # training images were small enough to shrink it (not recorded: pass it per stage then)
+            report.source_log_cpb_windows = [w if w != (0, 0) else tuple(built.window_size) for w in fixed]
+            report.source_log_cpb_fixed = any(w != (0, 0) for w in fixed)
+        return
     w = window_from_hub_config(hub_config)
-    return (w, w) if w else None
+    report.source_window = (w, w) if w else None
+    log_cpb = log_cpb_windows_from_hub_config(hub_config)
+    if log_cpb is not None:
+        report.source_log_cpb_windows, report.source_log_cpb_fixed = log_cpb
+
+
+def _log_cpb_target(report: LoadReport, window: tuple[int, int]) -> list[tuple[int, int]] | None:
+    """The ``pretrained_window_size`` (per stage) a Swin V2 of nominal ``window`` needs for the
+    checkpoint's Log-CPB coordinates to keep their meaning; ``None`` where 0 (the window in use)
+    already does: the checkpoint's windows followed the window in use and ``window`` is its own."""
+    windows = report.source_log_cpb_windows
+    if windows is None or (not report.source_log_cpb_fixed and tuple(window) == tuple(report.source_window or ())):
+        return None
+    return list(windows)
+
+
+def _windows_text(windows: list[tuple[int, int]]) -> str:
+    """``8`` / ``(8, 12)`` when every stage has the same window, else ``(12, 12, 12, 6)`` or one
+    ``(h, w)`` per stage: as ``pretrained_window_size`` takes them."""
+    if len(set(windows)) == 1:
+        h, w = windows[0]
+        return str(h) if h == w else f"({h}, {w})"
+    if all(h == w for h, w in windows):
+        return "(" + ", ".join(str(h) for h, _ in windows) + ")"
+    return "(" + ", ".join(f"({h}, {w})" for h, w in windows) + ")"
+
+
+def _windows_option(windows: list[tuple[int, int]]) -> list:
+    """``windows`` as a JSON-able ``pretrained_window_size``: ``[h, w]`` when every stage has the
+    same, else ``[[h, w], ...]`` per stage."""
+    if len(set(windows)) == 1:
+        return list(windows[0])
+    return [list(w) for w in windows]
+
+
+def _fit_log_cpb(name: str, options: dict, report: LoadReport) -> dict:
+    """``options`` with Swin V2's ``pretrained_window_size`` set from the checkpoint where the
+    caller gave none and 0 would change what the checkpoint's Log-CPB coordinates mean (a larger
+    window, or a checkpoint that fixed its own, like timm's ``window12to16`` models)."""
+    if report.source_log_cpb_windows is None or options.get("pretrained_window_size"):
+        return options
+    from vtdense.backbones.registry import create_backbone
+
+    with torch.device("meta"):
+        probe = create_backbone(name, **options)
+    if getattr(probe, "version", None) != 2:
+        return options
+    target = _log_cpb_target(report, probe.window_size)
+    if target is None:
+        return options
+    target = target[: len(probe.layers)]
+    report.notes.append(f"pretrained_window_size={_windows_text(target)} set from the checkpoint (pass pretrained_window_size to choose another)")
+    return {**options, "pretrained_window_size": _windows_option(target)}
 
 
 def _window_notes(report: LoadReport, model: nn.Module) -> None:
-    """Advice on Swin V2's ``pretrained_window_size`` when the checkpoint's window is known."""
-    from vtdense.backbones.swin import SwinTransformer, WindowAttention
+    """Advice on Swin V2's ``pretrained_window_size`` when the checkpoint's windows are known."""
+    from vtdense.backbones.swin import SwinTransformer
 
-    if not isinstance(model, SwinTransformer) or model.version != 2 or report.source_window is None:
+    if not isinstance(model, SwinTransformer) or model.version != 2 or report.source_log_cpb_windows is None:
         return
-    src = tuple(report.source_window)
-    if src == tuple(model.window_size):
-        return
-    pws = next(m.pretrained_window_size for m in model.modules() if isinstance(m, WindowAttention))
-    if tuple(pws) == src:
-        report.notes.append(
-            f"Swin V2 trained at window {src[0]}x{src[1]}, run at {model.window_size[0]}x{model.window_size[1]}: "
-            f"Log-CPB coordinates are normalised by pretrained_window_size={src[0]}, so every offset keeps its "
-            "meaning (no table to resize; the MLP extrapolates to the new, larger offsets)"
-        )
+    used = [stage.blocks[0].attn.pretrained_window_size for stage in model.layers]
+    source = list(report.source_log_cpb_windows)[: len(used)]
+    target = _log_cpb_target(report, model.window_size)
+    if target is None:
+        fits = all(u == (0, 0) or u == s for u, s in zip(used, source))
     else:
-        shown = "0 (the window in use)" if pws[0] == 0 else f"{pws[0]}x{pws[1]}"
+        fits = all(u == t for u, t in zip(used, target))
+    run = f"{model.window_size[0]}x{model.window_size[1]}"
+    src = report.source_window
+    trained = f"window {src[0]}x{src[1]}" if src else "its window"
+    if fits:
+        if src is not None and tuple(src) != tuple(model.window_size):
+            report.notes.append(
+                f"Swin V2 trained at {trained}, run at {run}: Log-CPB coordinates are normalised by "
+                f"pretrained_window_size={_windows_text(source)}, so every offset keeps its meaning (no table to resize; "
+                "the MLP extrapolates to the new, larger offsets)"
+            )
+        return
+    if target is not None and not report.source_log_cpb_fixed and all(
+        u != (0, 0) and u[0] <= t[0] and u[1] <= t[1] for u, t in zip(used, target)
+    ):
+        # smaller than the checkpoint's window: right where its training maps shrank the window
+        stages = ", ".join(str(i + 1) for i, (u, t) in enumerate(zip(used, target)) if u != t)
         report.notes.append(
-            f"Swin V2 trained at window {src[0]}x{src[1]} but this model runs window {model.window_size[0]}x"
-            f"{model.window_size[1]} with pretrained_window_size={shown}: the Log-CPB coordinates will not mean the "
-            f"offsets they meant in training; pass pretrained_window_size={src[0]} to fine-tune at the larger window"
+            f"Swin V2 trained at {trained}, run at {run} with pretrained_window_size={_windows_text(used)}, smaller "
+            f"than the training window at stage(s) {stages}: this keeps the Log-CPB coordinates' meaning if the "
+            "training images shrank those stages' windows (window 8 on 128 px shrinks the last one's to 4: "
+            f"vtdense.backbones.swin.log_cpb_windows); otherwise pass pretrained_window_size={_windows_text(target)}"
         )
+        return
+    shown = "0 (the window in use)" if all(u == (0, 0) for u in used) else _windows_text(used)
+    report.notes.append(
+        f"Swin V2 trained at {trained} with its Log-CPB coordinates normalised by {_windows_text(source)}, but this model "
+        f"runs window {run} with pretrained_window_size={shown}: the coordinates will not mean the offsets they meant in "
+        f"training; pass pretrained_window_size={_windows_text(target or source)}"
+    )
 
 
 def _read_source(state_dict_or_path: object, report: LoadReport) -> object:
@@ -384,7 +482,7 @@ def _read_source(state_dict_or_path: object, report: LoadReport) -> object:
     file = read_checkpoint(where.path)
     report.container = file.container
     report.source_config = file.vtdense_config or where.config
-    report.source_window = _source_window(file.vtdense_config, where.config)
+    _source_windows(report, file.vtdense_config, where.config)
     return file.obj
 
 
@@ -419,8 +517,14 @@ def load_pretrained(
     """
     source = str(state_dict_or_path) if isinstance(state_dict_or_path, (str, os.PathLike)) else "state dict"
     report = LoadReport(source)
-    report.model_name = type(model).__name__
     obj = _read_source(state_dict_or_path, report)
+    return _load_read(model, obj, report, strict=strict, log=log)
+
+
+def _load_read(model: nn.Module, obj: object, report: LoadReport, *, strict: bool = True, log: bool = True) -> LoadReport:
+    """:func:`load_pretrained` of a checkpoint already read into ``obj`` (its source fields in ``report``)."""
+    source = report.source
+    report.model_name = type(model).__name__
     raw = _unwrap(obj, source)
     report.format = "vtdense" if report.source_config and "name" in report.source_config else detect_format(raw, model)
     origin = {id(v): k for k, v in raw.items()}
@@ -498,9 +602,13 @@ def load_backbone(path: str | os.PathLike, **overrides: object) -> nn.Module:
     of vtdense < 0.1); ``path`` may also be a Hub id.
 
     ``overrides`` change its options, e.g. a larger ``window_size`` for fine-tuning: Swin V1
-    bias tables are resized, MViTv2 tables resampled, and a Swin V2 saved without
-    ``pretrained_window_size`` gets ``pretrained_window_size=<saved window>`` unless the
-    overrides set it, so its Log-CPB coordinates keep their meaning. The returned model's
+    bias tables are resized, MViTv2 tables resampled, and a Swin V2 run at another window
+    gets the ``pretrained_window_size`` its Log-CPB coordinates were normalised by (the saved
+    one, else the saved window) unless the overrides set it, so they keep their meaning. A
+    Swin V2 whose training images were small enough to shrink a stage's window (window 8 on
+    128 px shrinks the last stage's to 4) was normalised by the shrunk window there, which the
+    file does not record: pass ``pretrained_window_size`` per stage then
+    (:func:`vtdense.backbones.swin.log_cpb_windows` computes it). The returned model's
     ``load_report`` attribute is the :class:`LoadReport`.
     """
     from vtdense.backbones.registry import create_backbone
@@ -512,26 +620,28 @@ def load_backbone(path: str | os.PathLike, **overrides: object) -> nn.Module:
     config = dict(report.source_config)
     name = config.pop("name")
     options = {**config, **overrides}
-    saved_window = report.source_window
-    if (
-        name.startswith("swinv2")
-        and saved_window is not None
-        and "window_size" in overrides
-        and "pretrained_window_size" not in overrides
-        and not config.get("pretrained_window_size")
-    ):
-        from vtdense.layers.windows import to_2tuple
-
-        if to_2tuple(overrides["window_size"]) != tuple(saved_window):
-            options["pretrained_window_size"] = list(saved_window)
+    if "pretrained_window_size" not in overrides:
+        options = _fit_log_cpb(name, options, report)
     model = create_backbone(name, **options)
     state = obj["state_dict"] if isinstance(obj, dict) and "state_dict" in obj else obj
-    loaded = load_pretrained(model, state, log=False)
-    for attr in ("source", "container", "source_config", "source_window"):
-        setattr(loaded, attr, getattr(report, attr))
+    loaded = _load_read(model, state, report, log=False)
     loaded.format = "vtdense"
-    loaded.notes.clear()
-    _window_notes(loaded, model)
     _logger.info("%s", loaded.summary())
     model.load_report = loaded
+    return model
+
+
+def build_pretrained(name: str, pretrained: object, build: Callable[..., nn.Module], overrides: dict) -> nn.Module:
+    """``build(**options)`` loaded from ``pretrained`` (what :func:`vtdense.create_backbone` does
+    with weights). The checkpoint is read first, so that a Swin V2 built without
+    ``pretrained_window_size`` gets the one its Log-CPB coordinates were normalised by where 0
+    would change their meaning (a file or Hub checkpoint of another window, or timm's
+    ``window12to16`` models, which fix ``(12, 12, 12, 6)``); the report says so."""
+    source = str(pretrained) if isinstance(pretrained, (str, os.PathLike)) else "state dict"
+    report = LoadReport(source)
+    obj = _read_source(pretrained, report)
+    options = overrides if "pretrained_window_size" in overrides else _fit_log_cpb(name, overrides, report)
+    model = build(**options)
+    model.config = {"name": name, **options}  # what save_backbone needs to rebuild it
+    model.load_report = _load_read(model, obj, report)
     return model

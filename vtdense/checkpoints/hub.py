@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HubCheckpoint", "HubError", "WEIGHT_FILES", "is_hub_id", "resolve_checkpoint", "window_from_hub_config"]
+__all__ = ["HubCheckpoint", "HubError", "WEIGHT_FILES", "is_hub_id", "log_cpb_windows_from_hub_config", "resolve_checkpoint",
+           "window_from_hub_config"]
 
 #: Files tried, in order, in a Hub repo given without an explicit file.
 WEIGHT_FILES: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin", "model.pth", "model_final.pkl")
@@ -131,4 +132,23 @@ def window_from_hub_config(config: dict[str, Any] | None) -> int | None:
         m = re.search(r"window(\d+)(?:to(\d+))?", str(config.get(key, "")))
         if m:
             return int(m[2] or m[1])  # "window12to24": fine-tuned to 24
+    return None
+
+
+def log_cpb_windows_from_hub_config(config: dict[str, Any] | None) -> tuple[list[tuple[int, int]], bool] | None:
+    """For a timm Swin V2 checkpoint, from the name in its ``config.json``: per stage, the window
+    its Log-CPB coordinates were normalised by in training, and whether the model fixed them
+    (``True``: timm builds ``swinv2_*_window{A}to{B}_{P}to{Q}`` with ``pretrained_window_sizes``
+    from its window-``A``, ``P``-px pre-training) or they follow the window in use (``False``:
+    ``swinv2_*_window{A}_{P}``, trained at window ``A`` on ``P`` px, windows shrunk to small maps).
+    ``None`` for other names."""
+    from vtdense.backbones.swin import log_cpb_windows  # lazy: checkpoints import the backbones
+
+    if not config:
+        return None
+    for key in ("architecture", "model_name"):
+        name = str(config.get(key, ""))
+        m = re.search(r"swinv2_.*window(\d+)(to\d+)?_(\d+)(?:to\d+)?", name)
+        if m:
+            return log_cpb_windows(int(m[1]), int(m[3])), m[2] is not None
     return None

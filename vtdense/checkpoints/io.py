@@ -99,7 +99,8 @@ def _numpy_to_torch(obj: Any) -> Any:
     import numpy as np
 
     if isinstance(obj, np.ndarray):
-        return torch.from_numpy(np.ascontiguousarray(obj))
+        # numbers only: an array of strings or objects is no weight (and torch cannot hold it)
+        return torch.from_numpy(np.ascontiguousarray(obj)) if obj.dtype.kind in "biufc" else obj
     if isinstance(obj, dict):
         return {k: _numpy_to_torch(v) for k, v in obj.items()}
     return obj
@@ -108,7 +109,12 @@ def _numpy_to_torch(obj: Any) -> Any:
 def _read_detectron2_pickle(path: Path) -> Any:
     source = str(path)
     with path.open("rb") as f:
-        obj = _RestrictedUnpickler(f, source).load()
+        try:
+            obj = _RestrictedUnpickler(f, source).load()
+        except CheckpointReadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - truncated or malformed: re-raised with the file name
+            raise CheckpointReadError(f"cannot read detectron2 pickle {source}: {type(e).__name__}: {e}") from e
     if not isinstance(obj, dict):
         raise CheckpointReadError(f"{source}: a detectron2 pickle is a dict, got {type(obj).__name__}")
     model = obj.get("model", obj)

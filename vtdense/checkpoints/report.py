@@ -33,6 +33,11 @@ class LoadReport(tuple):
         unexpected: converted keys the model does not have.
         source_config: the checkpoint's own config (vtdense metadata or the Hub ``config.json``).
         source_window: the window the checkpoint was trained with, where known.
+        source_log_cpb_windows: Swin V2: per stage, the window the checkpoint's Log-CPB
+            coordinates were normalised by in training, where known (the
+            ``pretrained_window_size`` that keeps their meaning at another window).
+        source_log_cpb_fixed: whether the checkpoint's model fixed those windows with its own
+            ``pretrained_window_size`` (else they followed the window in use).
         notes: advice (e.g. Swin V2's ``pretrained_window_size``).
     """
 
@@ -47,6 +52,8 @@ class LoadReport(tuple):
         report.dropped: list[tuple[str, str]] = []
         report.source_config: dict[str, Any] | None = None
         report.source_window: tuple[int, int] | None = None
+        report.source_log_cpb_windows: list[tuple[int, int]] | None = None
+        report.source_log_cpb_fixed = False
         report.notes: list[str] = []
         report.model_name = ""
         report.consumed: set[int] = set()  # ids of checkpoint tensors used to derive model tensors
@@ -130,3 +137,11 @@ def note_derived(key: str, why: str, source: Any = None) -> None:
         report.derived.append((key, why))
         if source is not None:
             report.consumed.add(id(source))
+
+
+def note(text: str) -> None:
+    """Called by converters to add advice to the report (no-op outside a load; a repeated note
+    is kept once)."""
+    report = _ACTIVE.get()
+    if report is not None and text not in report.notes:
+        report.notes.append(text)
