@@ -527,3 +527,26 @@ def test_a_whole_checkpoint_loads_into_a_backbone_with_fewer_outputs(family: str
             dropped = {k for k, _ in model.load_report.dropped}
             assert dropped == {k for k in full.state_dict() if k not in own}, options
             assert len(built) == (3 if options.get("out_indices") == (0, 1, 2) else 4)
+
+
+def test_swin_v1_tables_of_windows_shrunk_to_small_maps_keep_their_values() -> None:
+    """timm sizes the bias table of a stage whose map is smaller than the window (built at 96 px
+    with window 6: the last stage's 3x3 map) for the shrunk window. Loaded into a window-6
+    vtdense Swin, that table goes to the centre of the 6x6 one, so at the size the checkpoint
+    was made for the features are timm's (a bicubic resize, right for a real change of window,
+    stretched it: 0.08 off)."""
+    from timm.models.swin_transformer import SwinTransformer as TimmSwin
+
+    cfg = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=6)
+    ref = randomize_(TimmSwin(img_size=96, num_classes=0, **cfg), seed=8).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if name.endswith("relative_position_bias_table"):
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
+    ours = vtdense.create_backbone("swin_tiny", out_norm=False, pretrained=ref.state_dict(), **cfg).eval()
+    (key, old, new, why), = ours.load_report.resized
+    assert key == "layers.3.blocks.0.attn.relative_position_bias_table" and old == (25, 1) and new == (121, 1) and "centre" in why
+    x = torch.randn(1, 3, 96, 96)
+    with torch.no_grad():
+        for want, got in zip(ref.forward_intermediates(x, intermediates_only=True), ours(x).values()):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

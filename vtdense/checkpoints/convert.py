@@ -109,7 +109,7 @@ def _family(model: nn.Module) -> str:
 
 @register_converter("swin")
 def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
-    from vtdense.layers.position import resize_bias_table
+    from vtdense.layers.position import centre_bias_table, resize_bias_table
 
     sd = _strip_prefix(sd, _TASK_PREFIXES + ("backbone.bottom_up.", "backbone.", "encoder.model.", "encoder."))
     if any(k.startswith("features.") for k in sd):
@@ -123,6 +123,10 @@ def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     sd = {re.sub(r"^norm(\d)\.", lambda m: f"out_norms.stage{int(m[1]) + 1}.", k): v for k, v in sd.items()}
     own = model.state_dict()
     built = len(model.layers)
+    # the checkpoint's nominal window: its largest bias table (timm sizes a stage's table for a window
+    # shrunk to a map smaller than the nominal one, at the image size it was built for)
+    sides = [round(v.shape[0] ** 0.5) for k, v in sd.items() if k.endswith("relative_position_bias_table")]
+    nominal = (max(sides) + 1) // 2 if sides else 0
     out = {}
     for k, v in sd.items():
         if _DROP.search(k):
@@ -149,8 +153,15 @@ def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
                     f"row count does not say which non-square window made it; this model's window is "
                     f"{new[0]}x{new[1]}: build the model with the checkpoint's window_size to load it")
             old = ((old_side + 1) // 2, (old_side + 1) // 2)
-            resized = resize_bias_table(v, old, new)
-            note_resized(k, v, resized, f"Swin V1 bias table, window {old[0]}x{old[1]} -> {new[0]}x{new[1]} (bicubic)")
+            if tuple(new) == (nominal, nominal) and old[0] < nominal:
+                # a window shrunk to a small map: the offsets it learned are the centre of the nominal
+                # table, where this model reads them at that map size; the offsets it never saw start at 0
+                resized = centre_bias_table(v, old, new)
+                why = f"Swin V1 bias table of a window shrunk to {old[0]}x{old[1]} in a {nominal}x{nominal} model: placed at the centre of the {new[0]}x{new[1]} table, the offsets it never saw at 0"
+            else:
+                resized = resize_bias_table(v, old, new)
+                why = f"Swin V1 bias table, window {old[0]}x{old[1]} -> {new[0]}x{new[1]} (bicubic)"
+            note_resized(k, v, resized, why)
             v = resized
         out[k] = v
     return out

@@ -118,6 +118,20 @@ def resize_bias_table(table: Tensor, old_window: tuple[int, int], new_window: tu
     return grid.reshape(heads, -1).t().to(table.dtype).contiguous()
 
 
+def centre_bias_table(table: Tensor, old_window: tuple[int, int], new_window: tuple[int, int]) -> Tensor:
+    """A ``((2h-1)*(2w-1), heads)`` bias table of a smaller window placed at the centre of one for
+    ``new_window`` (each offset keeps its value; offsets beyond the old window are 0)."""
+    heads = table.shape[1]
+    old = (2 * old_window[0] - 1, 2 * old_window[1] - 1)
+    new = (2 * new_window[0] - 1, 2 * new_window[1] - 1)
+    if table.shape[0] != old[0] * old[1] or old[0] > new[0] or old[1] > new[1]:
+        raise ValueError(f"bias table of {table.shape[0]} rows (window {old_window}) does not fit inside window {new_window}")
+    grid = table.new_zeros(new[0], new[1], heads)
+    top, left = (new[0] - old[0]) // 2, (new[1] - old[1]) // 2
+    grid[top : top + old[0], left : left + old[1]] = table.reshape(old[0], old[1], heads)
+    return grid.reshape(-1, heads)
+
+
 @functools.lru_cache(maxsize=256)
 def _decomposed_index(q_size: int, k_size: int, device: torch.device) -> Tensor:
     with torch.inference_mode(False):
