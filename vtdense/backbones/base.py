@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from vtdense.layers.cpu_linear import cpu_matmul
 from vtdense.layers.plain import hooks_below
 from vtdense.layers.tracing import exporting, functorch_transform, tracing
+from vtdense.layers.windows import ceil_div
 
 __all__ = ["Backbone", "run_blocks", "cpu_channels_last", "set_compile_regions"]
 
@@ -198,7 +199,7 @@ class Backbone(nn.Module):
         anchor = x.sum() * 0 if x.requires_grad else None
         out: OrderedDict[str, Tensor] = OrderedDict()
         for i, name, channels in zip(self.out_indices, self.out_names, self.out_channels):
-            y = x.new_zeros(0, channels, -(-H // 2**i), -(-W // 2**i))
+            y = x.new_zeros(0, channels, ceil_div(H, 2**i), ceil_div(W, 2**i))
             out[name] = y + anchor if anchor is not None else y
         return out
 

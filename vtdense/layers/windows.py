@@ -24,6 +24,7 @@ __all__ = [
     "mask_value",
     "to_2tuple",
     "effective_window",
+    "ceil_div",
     "padded_length",
     "pad_to_window",
     "window_partition",
@@ -79,6 +80,17 @@ def effective_window(
     return win, sh  # type: ignore[return-value]
 
 
+def ceil_div(n: int, d: int) -> int:
+    """``ceil(n / d)`` of a size ``n >= 0``, as ``-(-n // d)`` (the form ``torch.compile``'s symbolic
+    sizes simplify, see :func:`padded_length`). Under TorchScript tracing (``torch.onnx.export(...,
+    dynamo=False)``) sizes are traced tensors and ``//`` becomes ONNX's integer ``Div``, which
+    truncates: ``-(-50 // 4)`` would give 12, not 13. There it is ``(n + d - 1) // d``, which only
+    ever divides non-negative numbers."""
+    if torch.jit.is_tracing():
+        return (n + d - 1) // d
+    return -(-n // d)
+
+
 def padded_length(n: int, window: int) -> int:
     """``n`` rounded up to a multiple of ``window``.
 
@@ -87,7 +99,7 @@ def padded_length(n: int, window: int) -> int:
     expressions that the shape checks of every later view must prove equal, which cost a quarter of
     the trace of a windowed MViTv2 (``n // window`` of this form is simply ``ceil(n / window)``).
     """
-    return -(-n // window) * window
+    return ceil_div(n, window) * window
 
 
 def pad_to_window(x: Tensor, window: tuple[int, int]) -> Tensor:
@@ -198,7 +210,7 @@ def _token_index_cached(
 
 @functools.lru_cache(maxsize=16)
 def _no_mask(H: int, W: int, window: tuple[int, int], device: torch.device) -> Tensor:
-    n = (-(-H // window[0])) * (-(-W // window[1]))
+    n = ceil_div(H, window[0]) * ceil_div(W, window[1])
     return torch.zeros(n, window[0] * window[1], window[0] * window[1], dtype=torch.bool, device=device)
 
 
@@ -240,7 +252,7 @@ def _mask_op(H: int, W: int, wh: int, ww: int, sh: int, sw: int, device: torch.d
 
 @_mask_op.register_fake
 def _(H, W, wh, ww, sh, sw, device):  # type: ignore[no-untyped-def]
-    n = (-(-H // wh)) * (-(-W // ww))
+    n = ceil_div(H, wh) * ceil_div(W, ww)
     return torch.empty(n, wh * ww, wh * ww, dtype=torch.bool, device=device)
 
 
@@ -312,7 +324,7 @@ def _slot_major_scatter_cached(H: int, W: int, window: tuple[int, int], shift: t
     with torch.inference_mode(False), torch.no_grad():
         _, scatter = _token_index(H, W, window, shift, device)
         n = window[0] * window[1]
-        windows = (-(-H // window[0])) * (-(-W // window[1]))
+        windows = ceil_div(H, window[0]) * ceil_div(W, window[1])
         return (scatter % n) * windows + scatter // n
 
 
