@@ -391,3 +391,27 @@ def test_segmentation_image_modes_and_exif(tmp_path: Path) -> None:
     assert image.shape == (3, 10, 16) and mask.shape == (10, 16)
     assert image[:, :, 9:].float().mean() > 240 and image[:, :, :7].float().mean() < 15
     assert (mask[:, 8:] == 1).all() and (mask[:, :8] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["png", "tif", "webp", "jpg"])
+def test_every_exif_orientation_decodes_to_the_displayed_pixels_and_size(tmp_path: Path, fmt: str) -> None:
+    """Orientations 1-8 in each container: the pixels are the displayed ones and ``full_size`` is
+    their size, ``stored_size`` the file's. Pillow's TIFF reader reports a rotated image's size
+    already displayed, which the decoder took for the stored one (sizes swapped for 5-8)."""
+    from vtdense.data.images import decode_image
+
+    stored = np.random.default_rng(0).integers(0, 255, (30, 50, 3), dtype=np.uint8)  # 30 high, 50 wide
+    transposed = stored.transpose(1, 0, 2)
+    displayed = {1: stored, 2: stored[:, ::-1], 3: stored[::-1, ::-1], 4: stored[::-1], 5: transposed,
+                 6: np.rot90(stored, -1), 7: np.rot90(transposed, 2), 8: np.rot90(stored, 1)}
+    for orientation, want in displayed.items():
+        exif = Image.Exif()
+        exif[0x0112] = orientation
+        path = tmp_path / f"o{orientation}.{fmt}"
+        Image.fromarray(stored).save(path, exif=exif, **({"quality": 100} if fmt == "jpg" else {"lossless": True} if fmt == "webp" else {}))
+        got = decode_image(path)
+        pixels = np.asarray(got.image)
+        assert pixels.shape == want.shape and got.full_size == want.shape[:2], (fmt, orientation)
+        assert got.stored_size == (30, 50) and got.orientation == orientation
+        if fmt != "jpg":  # lossless
+            assert np.array_equal(pixels, want), (fmt, orientation)

@@ -320,6 +320,10 @@ def test_format_detection() -> None:
     report = vtdense.load_pretrained(vtdense.create_backbone("swin_tiny", **cfg), {"state_dict": det})
     assert report.format == "official"
     assert {k: why for k, why in report.dropped if k in heads} == dict.fromkeys(heads, "not part of the backbone (neck / head)")
+    # a timm model held as ``self.model`` by a user's own LightningModule
+    wrapped = vtdense.create_backbone("swin_tiny", **cfg)
+    report = vtdense.load_pretrained(wrapped, {"state_dict": {f"model.{k}": v for k, v in timm_sd.items()}})
+    assert report.format == "timm" and torch.equal(wrapped.state_dict()["patch_embed.proj.weight"], timm_sd["patch_embed.proj.weight"])
     with torch.device("meta"):  # key names suffice (loading torchvision layouts: tests/test_swin.py)
         tv = torchvision.models.swin_t().state_dict()
         assert detect_format(tv, vtdense.create_backbone("swin_tiny")) == "torchvision"

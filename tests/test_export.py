@@ -293,6 +293,9 @@ def test_cli_exports_a_named_backbone(tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert f"wrote {out}" in proc.stdout
+    lines = proc.stdout.strip().splitlines()[1:]  # the signature, as the README shows it
+    assert lines == ["# inputs  image [batch, 3, 64, 64]",
+                     "# outputs " + "  ".join(f"stage{i + 1} [batch, {16 * 2**i}, {16 // 2**i}, {16 // 2**i}]" for i in range(4))]
     sess = _session(out)
     assert sess.get_inputs()[0].shape == ["batch", 3, 64, 64]
     assert [o.shape for o in sess.get_outputs()] == [["batch", 16 * 2**i, 16 // 2**i, 16 // 2**i] for i in range(4)]

@@ -138,6 +138,13 @@ def test_list_images_names_and_bad_input(tmp_path: Path, caplog: pytest.LogCaptu
     assert [(f.file_name, f.name) for f in files] == [("x.jpg", "x_jpg"), ("x.png", "x_png")]
     assert "left out 1 files" in caplog.text and "notes.txt" in caplog.text
     assert [(f.file_name, f.name) for f in list_images(f"{tmp_path}/**/*.jpg")] == [("sub/y.jpg", "sub/y"), ("x.jpg", "x")]
+    # names unique also where suffixes differ in case only, or a suffixed name is another file's stem
+    clash = tmp_path / "clash"
+    clash.mkdir()
+    for name in ("a.JPG", "a.jpg", "b.jpg", "b.png", "b_png.png", "c.png"):
+        Image.new("RGB", (8, 6)).save(clash / name, format="PNG")
+    names = {f.file_name: f.name for f in list_images(clash)}
+    assert names == {"a.JPG": "a_jpg", "a.jpg": "a_jpg_2", "b.jpg": "b_jpg", "b.png": "b_png", "b_png.png": "b_png_2", "c.png": "c"}
 
     with pytest.raises(FileNotFoundError, match="predict path not found: .*missing.jpg"):
         list_images(tmp_path / "missing.jpg")
@@ -359,6 +366,41 @@ def test_recipe_predict_detection(det_ckpt: Path, photos: Path, tmp_path: Path, 
     assert len(coco.loadRes(str(out / "results.json")).getAnnIds()) == len(results)
 
 
+def test_an_undecodable_file_is_skipped_and_counted(
+    det_ckpt: Path, photos: Path, tmp_path: Path, capsys: pytest.CaptureFixture, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A JPEG cut short passes the header check before the run; decoding it fails mid-run. It is
+    skipped with a warning naming it, in a batch of its own and in one shared with a good image:
+    the other images are predicted and written, the index lists it under ``skipped``, and the
+    API returns the other images' results."""
+    import shutil
+
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for name in ("a_landscape.jpg", "b_portrait.png", "d_grey.png"):
+        shutil.copy(photos / name, folder / name)
+    whole = (photos / "c_exif.jpg").read_bytes()
+    (folder / "c_cut.jpg").write_bytes(whole[: len(whole) // 2])
+    for batch in (1, 2):
+        out = tmp_path / f"out{batch}"
+        with caplog.at_level(logging.WARNING):
+            summary = _recipe("coco_swin").main(
+                ["predict", f"--ckpt_path={det_ckpt}", f"--data.predict_path={folder}", "--score_thresh=0.0",
+                 "--data.num_workers=0", f"--data.batch_size={batch}", f"--output={out}", "--progress_bar=false"]
+            )
+        assert summary["images"] == 3 and summary["skipped"] == ["c_cut.jpg"]
+        assert "skipped 1 images that could not be decoded" in capsys.readouterr().out
+        assert "c_cut.jpg cannot be decoded" in caplog.text
+        index = json.loads((out / "images.json").read_text())
+        assert index["skipped"] == ["c_cut.jpg"] and [i["file_name"] for i in index["images"]] == ["a_landscape.jpg", "b_portrait.png", "d_grey.png"]
+        assert sorted(p.name for p in (out / "vis").iterdir()) == ["a_landscape.png", "b_portrait.png", "d_grey.png"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        api = DetectionTask.from_checkpoint(det_ckpt).predict_images(folder, score_thresh=0.0, batch_size=2)
+    assert [Path(r["path"]).name for r in api] == ["a_landscape.jpg", "b_portrait.png", "d_grey.png"]
+    assert "predicted 3 of 4 images; skipped 1 that could not be decoded: c_cut.jpg" in caplog.text
+
+
 def test_recipe_predict_segmentation_default_output(seg_ckpt: Path, photos: Path, capsys: pytest.CaptureFixture) -> None:
     summary = _recipe("ade20k_swinv2").main(
         ["predict", "--ckpt_path", str(seg_ckpt), "--data.predict_path", f"{photos}/*.jpg", "--data.num_workers=0",
@@ -384,6 +426,11 @@ def test_recipe_predict_options(det_ckpt: Path, seg_ckpt: Path, photos: Path, ca
         _recipe("coco_swin").main(["predict", "--help"])
     assert e.value.code == 0 and "--data.predict_path" in capsys.readouterr().out
     base = [f"--data.predict_path={photos}", "--data.num_workers=0", "--progress_bar=false"]
+    for bad in ("1.5", "-0.1"):  # checked with the other options, before the trainer is built
+        with patch.object(DetectionTask, "predict_step", side_effect=AssertionError("the model ran")):
+            with pytest.raises(ValueError, match=rf"--score_thresh must be in \[0, 1\], got {bad}") as err:
+                _recipe("coco_swin").main(["predict", f"--ckpt_path={det_ckpt}", f"--score_thresh={bad}", *base])
+        assert getattr(err.value, "vtdense_before_run", False)  # so run_script prints one line, exit 2
     with pytest.raises(ValueError, match="--score_thresh does not apply to a SegmentationTask"):
         _recipe("ade20k_swinv2").main(["predict", f"--ckpt_path={seg_ckpt}", "--score_thresh=0.3", *base])
     with pytest.raises(ValueError, match="--data.eval_scale does not apply to a DetectionTask"):

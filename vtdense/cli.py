@@ -463,6 +463,8 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
         if ns.score_thresh is not None and not has_threshold:
             raise ValueError(f"--score_thresh does not apply to a {type(task).__name__} checkpoint")
         score_thresh = (0.5 if ns.score_thresh is None else ns.score_thresh) if has_threshold else None
+        if score_thresh is not None and not 0.0 <= score_thresh <= 1.0:
+            raise ValueError(f"--score_thresh must be in [0, 1], got {score_thresh}")
         if ns.size_divisibility is not None:
             if not hasattr(task, "set_size_divisibility"):
                 raise ValueError(f"--size_divisibility does not apply to a {type(task).__name__} checkpoint")
@@ -497,9 +499,13 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
     if trainer.is_global_zero:
         subdirs = sorted({p.parent.relative_to(out_dir).as_posix() for p in out_dir.rglob("*.png")})
         print(f"predicted {writer.count} images with {ns.ckpt_path}")
+        if writer.skipped:
+            print(f"skipped {len(writer.skipped)} images that could not be decoded (listed under 'skipped' in the index): "
+                  + ", ".join(writer.skipped[:5]) + (", ..." if len(writer.skipped) > 5 else ""))
         print(f"output directory: {out_dir}")
         for sub in subdirs:
             print(f"  {sub}/  ({sum(1 for _ in (out_dir / sub).glob('**/*.png'))} PNG)")
         for f in writer.files:
             print(f"  {f.relative_to(out_dir)}")
-    return {"output_dir": str(out_dir), "images": writer.count, "files": [str(f) for f in writer.files]}
+    return {"output_dir": str(out_dir), "images": writer.count, "skipped": list(writer.skipped),
+            "files": [str(f) for f in writer.files]}

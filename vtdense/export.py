@@ -547,7 +547,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB)")
+    for line in graph_signature(out):
+        print(line)
     return 0
+
+
+def graph_signature(path: str | Path) -> list[str]:
+    """``["# inputs  image  [batch, 3, 512, 512]", "# outputs stage1 [...]  ..."]``: the names and
+    shapes (a name for a dynamic dimension) of an ONNX file's inputs and outputs, read from its
+    graph (weights stored apart are not loaded)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+
+    def shape(value: Any) -> str:
+        dims = value.type.tensor_type.shape.dim
+        return "[" + ", ".join(d.dim_param or str(d.dim_value) for d in dims) + "]"
+
+    return [f"# inputs  {'  '.join(f'{v.name} {shape(v)}' for v in graph.input)}",
+            f"# outputs {'  '.join(f'{v.name} {shape(v)}' for v in graph.output)}"]
 
 
 class _CallableModule(types.ModuleType):

@@ -111,7 +111,7 @@ def _family(model: nn.Module) -> str:
 def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     from vtdense.layers.position import centre_bias_table, resize_bias_table
 
-    sd = _strip_prefix(sd, _TASK_PREFIXES + ("backbone.bottom_up.", "backbone.", "encoder.model.", "encoder."))
+    sd = _strip_prefix(sd, _TASK_PREFIXES + ("backbone.bottom_up.", "backbone.", "encoder.model.", "encoder.", "model."))
     if any(k.startswith("features.") for k in sd):
         sd = _from_torchvision_swin(sd)
     elif any(k.startswith("stages.") for k in sd):

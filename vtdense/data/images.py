@@ -126,9 +126,17 @@ def decode_image(
                     f = max_side / long_side
                     raw.draft(raw.mode, (math.ceil(sw * f), math.ceil(sh * f)))
                 raw.load()
+                drafted = raw.size != (sw, sh)
                 img = raw
                 if orientation != 1:
                     img = ImageOps.exif_transpose(img)
+                # displayed (w, h): read off the transposed image where it is whole. Some plugins
+                # (Pillow's TIFF) report a rotated image's size already displayed, so the stored
+                # size cannot be assumed to be what raw.size says.
+                if drafted:
+                    full = (sw, sh) if orientation not in _SWAPS_SIDES else (sh, sw)
+                else:
+                    full = img.size
                 img = to_rgb8(img)  # loaded pixels stay usable after the file is closed
     except FileNotFoundError:
         raise BadSampleError(f"image file not found: {what}", file=path, image_id=image_id) from None
@@ -148,5 +156,5 @@ def decode_image(
         factor = max(img.size) // max_side
         if factor > 1:
             img = img.reduce(factor)
-    full = (sw, sh) if orientation not in _SWAPS_SIDES else (sh, sw)
-    return DecodedImage(image=img, full_size=(full[1], full[0]), stored_size=(sh, sw), orientation=orientation)
+    stored = full if orientation not in _SWAPS_SIDES else (full[1], full[0])
+    return DecodedImage(image=img, full_size=(full[1], full[0]), stored_size=(stored[1], stored[0]), orientation=orientation)

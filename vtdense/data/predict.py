@@ -93,11 +93,21 @@ def _image_files(files: Sequence[Path], base: Path | None) -> list[ImageFile]:
     stems = [r.with_suffix("").as_posix() for r in rel]
     counts: dict[str, int] = {}
     for s in stems:
-        counts[s] = counts.get(s, 0) + 1
-    return [
-        ImageFile(f, r.as_posix(), s if counts[s] == 1 else f"{s}_{r.suffix.lstrip('.').lower()}")
-        for f, r, s in zip(files, rel, stems)
-    ]
+        counts[s.lower()] = counts.get(s.lower(), 0) + 1
+    # a stem shared by several files gets its suffix: x.jpg, x.png -> x_jpg, x_png
+    wanted = [s if counts[s.lower()] == 1 else f"{s}_{r.suffix.lstrip('.').lower()}" for r, s in zip(rel, stems)]
+    # names still equal (a.JPG and a.jpg; b.png beside b_png.png), compared without case as some file
+    # systems do: the later ones get _2, _3, ... never another file's name
+    reserved = {w.lower() for w in wanted}
+    taken: set[str] = set()
+    names = []
+    for w in wanted:
+        name, k = w, 2
+        while name.lower() in taken or (name != w and name.lower() in reserved):
+            name, k = f"{w}_{k}", k + 1
+        taken.add(name.lower())
+        names.append(name)
+    return [ImageFile(f, r.as_posix(), n) for f, r, n in zip(files, rel, names)]
 
 
 def list_images(path: str | os.PathLike[str]) -> list[ImageFile]:
@@ -216,7 +226,10 @@ class PredictImages(Dataset):
     Items are ``(image, target)``: ``image`` float32 ``[3, h, w]`` in 0..1, ``target`` a dict with
     ``orig_size`` ``(H0, W0)`` (the displayed full size), ``file_name`` (relative input name,
     ``None`` for a tensor), ``name`` (unique output name, no suffix), ``path`` (the file, ``None``
-    for a tensor) and ``index`` (position in ``sources``).
+    for a tensor) and ``index`` (position in ``sources``). A file that cannot be decoded (the
+    header passed :func:`list_images`, but the data is truncated or corrupt) is skipped: its item
+    is ``None``, with a warning naming it, and :func:`collate_predict` leaves it out; the callers
+    count and report the skipped files (:meth:`skipped`).
     """
 
     def __init__(
@@ -245,13 +258,25 @@ class PredictImages(Dataset):
             pixels, orig = src, (int(src.shape[-2]), int(src.shape[-1]))
             path = None
         else:
-            decoded = decode_image(src, max_side=self.max_decode_side)
+            try:
+                decoded = decode_image(src, max_side=self.max_decode_side)
+            except BadSampleError as e:
+                logger.warning("skipped image %d (%s): %s", index, file_name, e)
+                return None  # type: ignore[return-value]
             pixels, orig, path = TF.pil_to_tensor(decoded.image), decoded.full_size, str(src)
         image = self.transform(pixels)
         target = {"orig_size": orig, "file_name": file_name, "name": name, "path": path, "index": index}
         return image, target
 
+    def skipped(self, done: Sequence[int]) -> list[str]:
+        """Input names (``file_name``, or the output name of a tensor) of the items whose index is
+        not in ``done``: the files skipped as undecodable when ``done`` holds every predicted index."""
+        have = set(int(i) for i in done)
+        return [file_name or name for i, (_, file_name, name) in enumerate(self.items) if i not in have]
 
-def collate_predict(batch: Sequence[tuple[Tensor, dict[str, Any]]]) -> tuple[list[Tensor], list[dict[str, Any]]]:
-    """``(images, targets)`` as lists: images of different sizes are not stacked."""
-    return [b[0] for b in batch], [b[1] for b in batch]
+
+def collate_predict(batch: Sequence[tuple[Tensor, dict[str, Any]] | None]) -> tuple[list[Tensor], list[dict[str, Any]]]:
+    """``(images, targets)`` as lists: images of different sizes are not stacked; skipped items
+    (``None``, see :class:`PredictImages`) are left out, so a batch may be empty."""
+    kept = [b for b in batch if b is not None]
+    return [b[0] for b in kept], [b[1] for b in kept]

@@ -697,6 +697,8 @@ class DetectionTask(BaseTask):
             images, targets = list(batch[0]), list(batch[1])
         else:
             images, targets = list(batch), [None] * len(batch)
+        if not images:  # every image of the batch was skipped (undecodable files)
+            return []
         dets = self(images)
         return [self._to_original(img, det, tgt) for img, det, tgt in zip(images, dets, targets)]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import logging
 import os
 import pickle
 import time
@@ -54,6 +55,7 @@ __all__ = [
 ]
 
 T = TypeVar("T", bound=LightningModule)
+logger = logging.getLogger(__name__)
 
 #: Long side of the picture predictions are drawn on (bigger originals are drawn reduced).
 DRAW_MAX_SIDE = 2048
@@ -181,6 +183,8 @@ def predict_images(
     lists of different sizes. Each result is ``predict_step``'s dict in original image coordinates,
     completed by ``task.name_prediction`` (class names) and with ``path`` (the file, ``None`` for a
     tensor). ``bf16`` runs the model under bfloat16 autocast; outputs stay float32 / int64 / bool.
+    A file that cannot be decoded (truncated, corrupt) is skipped with a warning naming it, and a
+    last warning counts the skipped files; the results are those of the other images.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -190,6 +194,7 @@ def predict_images(
     was_training = task.training
     task.eval()
     results: list[dict[str, Any]] = []
+    done: list[int] = []
     try:
         autocast = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
         with torch.inference_mode(), autocast:
@@ -198,8 +203,13 @@ def predict_images(
                 preds = task.predict_step((batch_images, targets), i)
                 for pred, target in zip(preds, targets):
                     results.append(task.name_prediction(pred) | {"path": target["path"]})
+                    done.append(target["index"])
     finally:
         task.train(was_training)
+    skipped = dataset.skipped(done)
+    if skipped:
+        logger.warning("predicted %d of %d images; skipped %d that could not be decoded: %s", len(results), len(dataset),
+                       len(skipped), ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else ""))
     return results
 
 
@@ -242,7 +252,8 @@ class PredictionWriter(BasePredictionWriter):
         output_dir: Folder of the outputs (created). Under DDP rank 0's value is used by all.
         info: Extra entries for the JSON index (checkpoint, options).
 
-    After the run, :attr:`files` lists the index files rank 0 wrote and :attr:`count` the images.
+    After the run, :attr:`files` lists the index files rank 0 wrote, :attr:`count` the images and
+    :attr:`skipped` the files skipped as undecodable (also under ``skipped`` in the index).
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], info: dict[str, Any] | None = None) -> None:
@@ -252,6 +263,7 @@ class PredictionWriter(BasePredictionWriter):
         self.records: list[dict[str, Any]] = []
         self.files: list[Path] = []
         self.count = 0
+        self.skipped: list[str] = []  # input names of the files skipped as undecodable
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Agree on the output folder (rank 0's; a collective: every rank calls setup)."""
@@ -283,8 +295,15 @@ class PredictionWriter(BasePredictionWriter):
                 merged[int(rec["index"])] = rec
         records = [merged[i] for i in sorted(merged)]
         self.count = len(records)
+        dataset = getattr(trainer.predict_dataloaders, "dataset", None)
+        self.skipped = dataset.skipped(list(merged)) if isinstance(dataset, PredictImages) else []
         if trainer.is_global_zero:
-            self.files = pl_module.write_prediction_index(self.output_dir, records, self.info)
+            info = dict(self.info)
+            if self.skipped:
+                info["skipped"] = self.skipped
+                logger.warning("predicted %d images; skipped %d that could not be decoded: %s", self.count, len(self.skipped),
+                               ", ".join(self.skipped[:5]) + (", ..." if len(self.skipped) > 5 else ""))
+            self.files = pl_module.write_prediction_index(self.output_dir, records, info)
 
 
 def write_file(path: Path, data: bytes) -> Path:

@@ -492,6 +492,8 @@ class SegmentationTask(BaseTask):
                 images, targets = list(batch[0]), list(batch[1])
             else:
                 images, targets = list(batch), [None] * len(batch)
+            if not images:  # every image of the batch was skipped (undecodable files)
+                return []
             in_sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
             out_sizes = [
                 tuple(int(v) for v in t["orig_size"]) if t is not None and "orig_size" in t else s
