@@ -569,6 +569,7 @@ class SwinTransformer(Backbone):
         self.version = version
         self.in_chans = in_chans
         self.window_size = window
+        self.depths = depths
         self.out_indices = out_indices
         post_norm = version == 2
         num_stages = out_indices[-1] + 1

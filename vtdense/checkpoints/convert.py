@@ -362,7 +362,7 @@ def _source_windows(report: LoadReport, config: dict | None, hub_config: dict | 
 
     if config and "name" in config:
         from vtdense.backbones.registry import create_backbone
-        from vtdense.backbones.swin import SwinTransformer
+        from vtdense.backbones.swin import SwinTransformer, _per_stage_windows
 
         try:
             with torch.device("meta"):
@@ -372,7 +372,7 @@ def _source_windows(report: LoadReport, config: dict | None, hub_config: dict | 
         window = getattr(built, "window_size", None)
         report.source_window = to_2tuple(window) if window else None
         if isinstance(built, SwinTransformer) and built.version == 2:
-            fixed = [stage.blocks[0].attn.pretrained_window_size for stage in built.layers]
+            fixed = _per_stage_windows(config.get("pretrained_window_size", 0), len(built.depths))
             # not fixed: normalised by the window in use, which is the saved window unless the
             # training images were small enough to shrink it (not recorded: pass it per stage then)
             report.source_log_cpb_windows = [w if w != (0, 0) else tuple(built.window_size) for w in fixed]
@@ -429,7 +429,8 @@ def _fit_log_cpb(name: str, options: dict, report: LoadReport) -> dict:
     target = _log_cpb_target(report, probe.window_size)
     if target is None:
         return options
-    target = target[: len(probe.layers)]
+    stages = len(probe.depths)  # one entry per stage, built or not (a stage the checkpoint lacks takes the last)
+    target = (target + target[-1:] * stages)[:stages]
     report.notes.append(f"pretrained_window_size={_windows_text(target)} set from the checkpoint (pass pretrained_window_size to choose another)")
     return {**options, "pretrained_window_size": _windows_option(target)}
 
