@@ -136,10 +136,12 @@ def test_validation_metrics_match_pycocotools_on_written_results(coco_root: Path
 def test_size_range_metrics_use_the_coco_area_field(coco_root: Path, tmp_path: Path) -> None:
     """mAP_s/m/l split the ground truth by the annotation's ``area`` field, as pycocotools does, not by
     the box or mask area. The synthetic objects are all small (< 32^2 px), so the file here gives them
-    areas of every range: scored by their boxes or masks instead, mAP_m and mAP_l would be -1."""
+    areas of every range: scored by their boxes or masks instead, mAP_m and mAP_l would be -1. An
+    area of 0 is "small" and a negative one is ignored in every range, as pycocotools has them
+    (torchmetrics alone would replace both by the box or mask area)."""
     data = json.loads((coco_root / "annotations" / "instances_val2017.json").read_text())
     for k, ann in enumerate(data["annotations"]):
-        ann["area"] = (100.0, 5000.0, 20000.0)[k % 3]  # small, medium, large by the COCO ranges
+        ann["area"] = (100.0, 5000.0, 20000.0, 0.0, 6000.0, -5.0, 30000.0)[k % 7]  # small, medium, large, ...
     val_ann = tmp_path / "val_areas.json"
     val_ann.write_text(json.dumps(data))
     task, _ = oracle_task()
@@ -154,6 +156,7 @@ def test_size_range_metrics_use_the_coco_area_field(coco_root: Path, tmp_path: P
             assert stats[i] >= 0.0, (iou, key)  # every range holds ground truth
             assert abs(stats[i] - metrics[f"val/{iou}_{key}"]) < 1e-6, (iou, key)
         assert abs(stats[0] - metrics[f"val/{iou}_mAP"]) < 1e-6
+        assert abs(stats[8] - metrics[f"val/{iou}_mAR100"]) < 1e-6
 
 
 def test_ground_truth_fallback_scales_x_by_width_and_y_by_height() -> None:

@@ -542,7 +542,13 @@ class DetectionTask(BaseTask):
         if "iscrowd" in target:
             gt["iscrowd"] = target["iscrowd"].long().cpu()
         if "area" in target:
-            gt["area"] = target["area"].float().cpu()
+            # pycocotools ranks a ground truth by its ``area`` field as it is: 0 is "small", a
+            # negative one is outside every range (ignored). torchmetrics replaces an area <= 0 by
+            # the box or mask area, so hand it values that fall in the same ranges: the smallest
+            # positive float for 0, infinity (above "all"'s 1e10) for a negative area.
+            area = target["area"].float().cpu()
+            tiny = torch.finfo(torch.float32).tiny
+            gt["area"] = torch.where(area < 0, torch.inf, torch.where(area == 0, tiny, area))
         if "segm" in self.iou_types:
             if "orig_masks" not in target:
                 raise KeyError(
