@@ -317,8 +317,11 @@ def test_fit_reduces_loss_and_uses_datamodule_classes(coco_root: Path, tmp_path:
     assert restored.hparams["num_classes"] == 2 and restored.label_to_category_id == {1: 1, 2: 3}
 
 
-def test_optimizer_groups_skip_decay_on_norms_biases_and_tables() -> None:
-    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, weight_decay=0.05, **SLIM)
+@pytest.mark.parametrize("rule", ["names", "1d"])
+def test_optimizer_groups_skip_decay_on_norms_and_tables(rule: str) -> None:
+    """``no_decay="names"`` (the default, mmdet's Swin ``paramwise_cfg`` and detectron2's MViTv2):
+    norms and position tables get no weight decay, biases do. ``"1d"`` (timm's rule): every bias too."""
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, weight_decay=0.05, no_decay=rule, **SLIM)
 
     class FakeTrainer:
         estimated_stepping_batches = 100
@@ -331,8 +334,10 @@ def test_optimizer_groups_skip_decay_on_norms_biases_and_tables() -> None:
     decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
     names = {id(p): n for n, p in task.model.named_parameters()}
     assert decay, "some parameters must decay"
+    biases = [n for n in names.values() if n.endswith(".bias") and "norm" not in n]
+    assert len(biases) > 10
     for pid, name in names.items():
-        no_decay = name.endswith(".bias") or "norm" in name or "relative_position_bias_table" in name
+        no_decay = "norm" in name or "relative_position_bias_table" in name or (rule == "1d" and name.endswith(".bias"))
         assert (pid in decay) == (not no_decay), name
     assert conf["lr_scheduler"]["interval"] == "step"
 
@@ -417,6 +422,7 @@ def test_layer_decay_composes_with_the_backbone_multiplier() -> None:
         ("lr_schedule", "linear", r"unknown lr_schedule 'linear' \(option 'lr_schedule'\)"),
         ("metric_backend", "cocoapi", r"unknown metric_backend 'cocoapi' \(option 'metric_backend'\)"),
         ("num_classes", 0, "num_classes must be >= 1"),
+        ("no_decay", "bias", r"unknown no_decay 'bias' \(option 'no_decay'\); choose one of names, 1d"),
     ],
 )
 def test_bad_options_raise(option: str, value: Any, message: str) -> None:

@@ -42,7 +42,7 @@ from vtdense.models.compile import check_compile_option
 from vtdense.models.detection import HEADS, build_detector, list_heads, set_size_divisibility
 from vtdense.models.mask_rois import check_mask_rois_multiple
 from vtdense.tasks.base import BaseTask
-from vtdense.tasks.optim import adamw, apply_layer_decay, param_groups, warmup_schedule
+from vtdense.tasks.optim import adamw, apply_layer_decay, check_no_decay, param_groups, warmup_schedule
 
 __all__ = ["DetectionTask", "LR_SCHEDULES", "METRIC_BACKENDS", "IOU_TYPES", "METRIC_NAMES"]
 
@@ -162,6 +162,7 @@ class DetectionTask(BaseTask):
         head_kwargs: dict[str, Any] | None = None,
         lr: float = 1e-4,
         weight_decay: float = 0.05,
+        no_decay: str = "names",
         backbone_lr_mult: float = 1.0,
         layer_decay: float | None = None,
         lr_schedule: str = "step",
@@ -206,7 +207,11 @@ class DetectionTask(BaseTask):
             score_thresh: minimum detection score.
             head_kwargs: extra keyword arguments for the torchvision detector class.
             lr: AdamW learning rate.
-            weight_decay: AdamW weight decay (not applied to norms, biases, position tables, logit scales).
+            weight_decay: AdamW weight decay (not applied to position tables, logit scales and, by
+                ``no_decay``, norms or every 1-D tensor and bias).
+            no_decay: ``"names"`` (norms and position tables get no decay, biases do: the mmdet Swin and
+                detectron2 MViTv2 recipes) or ``"1d"`` (every 1-D tensor and bias too: timm's rule);
+                :data:`vtdense.tasks.optim.NO_DECAY_RULES`.
             backbone_lr_mult: learning-rate multiplier of the backbone parameters.
             layer_decay: layer-wise lr decay of the backbone (``None``: off); backbone layer ``i``
                 of ``N`` gets ``layer_decay ** (N - i)`` times its lr, the neck and heads ``1``.
@@ -257,6 +262,7 @@ class DetectionTask(BaseTask):
         super().__init__()
         if head not in HEADS:
             raise ValueError(f"unknown head {head!r} (option 'head'); choose one of {', '.join(list_heads())}")
+        check_no_decay(no_decay)
         if lr_schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"unknown lr_schedule {lr_schedule!r} (option 'lr_schedule'); choose one of {', '.join(LR_SCHEDULES)}"
@@ -399,7 +405,8 @@ class DetectionTask(BaseTask):
         """AdamW with decay / no-decay groups and a per-iteration warmup + decay LambdaLR."""
         hp = self.hparams
         groups = param_groups(
-            self._detector, hp["weight_decay"], backbone_prefix="backbone.body.", backbone_lr_mult=hp["backbone_lr_mult"]
+            self._detector, hp["weight_decay"], backbone_prefix="backbone.body.", backbone_lr_mult=hp["backbone_lr_mult"],
+            rule=hp["no_decay"],
         )
         if hp.get("layer_decay") is not None:
             groups = apply_layer_decay(groups, self._detector.backbone.body, "backbone.body.", hp["layer_decay"])

@@ -10,6 +10,7 @@ from torch import nn
 
 __all__ = [
     "NO_DECAY_KEYWORDS",
+    "NO_DECAY_RULES",
     "adamw",
     "apply_layer_decay",
     "fused_adamw_blocker",
@@ -27,16 +28,34 @@ NO_DECAY_KEYWORDS: tuple[str, ...] = (
     "rel_pos_w",
     "pos_embed",
     "absolute_pos_embed",
-    "q_bias",
-    "v_bias",
 )
 
 
-def _no_decay(name: str, param: torch.Tensor, extra: Iterable[str]) -> bool:
-    # 1-D tensors are norms' weights/biases and linear/conv biases.
-    if param.ndim <= 1 or name.endswith(".bias"):
+#: Which parameters get no weight decay, besides :data:`NO_DECAY_KEYWORDS`:
+#:
+#: - ``"names"``: those named as a norm's (``norm`` in the name: ``norm1``, ``attn.norm_q``,
+#:   ``out_norms.*``, ``patch_embed.norm``). Biases and other 1-D tensors decay. The rule of the
+#:   detection and segmentation references: mmdet / mmseg's Swin configs (``paramwise_cfg``
+#:   ``custom_keys``: ``absolute_pos_embed``, ``relative_position_bias_table``, ``norm``; biases
+#:   at the full decay) and detectron2's MViTv2 (``weight_decay_norm=0``, position tables 0);
+#: - ``"1d"``: every 1-D tensor and every bias, the classification recipes' rule (timm, the
+#:   official Swin / Swin V2 code).
+NO_DECAY_RULES: tuple[str, ...] = ("names", "1d")
+
+
+def _no_decay(name: str, param: torch.Tensor, extra: Iterable[str], rule: str = "1d") -> bool:
+    if rule == "1d" and (param.ndim <= 1 or name.endswith(".bias")):  # norms' weights / biases, all biases
+        return True
+    if rule == "names" and "norm" in name:
         return True
     return any(k in name for k in (*NO_DECAY_KEYWORDS, *extra))
+
+
+def check_no_decay(rule: str) -> str:
+    """``rule`` if it is one of :data:`NO_DECAY_RULES`, else one ``ValueError`` naming the option."""
+    if rule not in NO_DECAY_RULES:
+        raise ValueError(f"unknown no_decay {rule!r} (option 'no_decay'); choose one of {', '.join(NO_DECAY_RULES)}")
+    return rule
 
 
 def param_groups(
@@ -46,18 +65,21 @@ def param_groups(
     no_decay_keywords: Sequence[str] = (),
     backbone_prefix: str | None = None,
     backbone_lr_mult: float = 1.0,
+    rule: str = "1d",
 ) -> list[dict]:
     """Split trainable parameters into decay / no-decay groups (optionally a backbone lr multiplier).
 
-    Norm weights, biases, position tables and logit scales get no weight decay, as in the
-    Swin / MViTv2 detection recipes. Each group carries ``lr_mult`` so schedules can scale it.
+    Position tables, logit scales and ``no_decay_keywords`` get no weight decay, nor do norms
+    (``rule="names"``) or every 1-D tensor and bias (``rule="1d"``; see :data:`NO_DECAY_RULES`).
+    Each group carries ``lr_mult`` so schedules can scale it.
     """
+    check_no_decay(rule)
     groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
     names: dict[tuple[bool, bool], list[str]] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        key = (_no_decay(name, p, no_decay_keywords), bool(backbone_prefix and name.startswith(backbone_prefix)))
+        key = (_no_decay(name, p, no_decay_keywords, rule), bool(backbone_prefix and name.startswith(backbone_prefix)))
         groups.setdefault(key, []).append(p)
         names.setdefault(key, []).append(name)
     out = []

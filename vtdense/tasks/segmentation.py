@@ -28,7 +28,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardInd
 from vtdense.models.compile import check_compile_option
 from vtdense.models.segmentation import ARCHITECTURES, FCNHead, build_segmentor
 from vtdense.tasks.base import BaseTask
-from vtdense.tasks.optim import adamw, apply_layer_decay, layer_ids, param_groups, warmup_schedule
+from vtdense.tasks.optim import adamw, apply_layer_decay, check_no_decay, layer_ids, param_groups, warmup_schedule
 
 __all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table", "resize_logits"]
 
@@ -78,7 +78,11 @@ class SegmentationTask(BaseTask):
         aux_weight: weight of the auxiliary FCN head loss on stage 3; ``0`` builds no head.
         aux_channels: hidden channels of the auxiliary head.
         lr: peak learning rate (AdamW).
-        weight_decay: AdamW weight decay (not applied to norms, biases, position tables).
+        weight_decay: AdamW weight decay (not applied to position tables, logit scales and, by
+            ``no_decay``, norms or every 1-D tensor and bias).
+        no_decay: ``"names"`` (parameters named as norms', and position tables, get no decay; biases
+            and the heads' BatchNorms, named otherwise, do: mmseg's Swin UPerNet ``paramwise_cfg``) or
+            ``"1d"`` (every 1-D tensor and bias too: timm's rule); :data:`vtdense.tasks.optim.NO_DECAY_RULES`.
         betas: AdamW betas.
         warmup_steps: linear warmup iterations.
         warmup_factor: lr multiplier at iteration 0.
@@ -133,6 +137,7 @@ class SegmentationTask(BaseTask):
         aux_channels: int = 256,
         lr: float = 6e-5,
         weight_decay: float = 0.01,
+        no_decay: str = "names",
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: int = 1500,
         warmup_factor: float = 1e-6,
@@ -159,6 +164,7 @@ class SegmentationTask(BaseTask):
         self.check_recompute_option(activation_recompute_min_bytes)
         self.check_triton_attention_option(triton_attention)
         check_compile_option(compile_backbone)
+        check_no_decay(no_decay)
         self.save_hyperparameters()
         if arch.lower() not in ARCHITECTURES:
             raise ValueError(f"model.arch: unknown architecture {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
@@ -316,7 +322,7 @@ class SegmentationTask(BaseTask):
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW over no-decay / layer-decay groups with a per-iteration warmup + poly schedule."""
         h = self.hparams
-        groups = param_groups(self, h.weight_decay)
+        groups = param_groups(self, h.weight_decay, rule=h.no_decay)
         if h.layer_decay is not None:
             groups = apply_layer_decay(groups, self.model.encoder.backbone, _BACKBONE_PREFIX, h.layer_decay)
         for g in groups:
