@@ -19,6 +19,7 @@ import pytest
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
+from ranks import run_ranks
 from vtdense.data.synthetic import make_synthetic_coco
 from vtdense.data.synthetic_seg import generate_synthetic_segmentation
 
@@ -39,7 +40,7 @@ def _run(tmp: Path, task: str, data: Path, devices: int, *extra: str) -> dict:
     out = tmp / f"{tag}.json"
     cmd = [sys.executable, str(SCRIPT), "--task", task, "--data", str(data), "--devices", str(devices),
            "--root_dir", str(tmp / f"run_{tag}"), "--out", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=tmp, env=_env(), capture_output=True, text=True, timeout=240)
+    proc = run_ranks(cmd, cwd=tmp, env=_env(), timeout=240)
     exits = {p.name: p.read_text() for p in tmp.glob(f"{out.name}.exit*")}  # what each rank saw at exit
     assert proc.returncode == 0, f"exit records {exits}, output written: {out.is_file()}\n{proc.stderr[-6000:]}"
     if devices > 1:
@@ -156,8 +157,7 @@ def test_coco_recipe_ddp_bf16_writes_what_one_process_writes(coco5: Path, tmp_pa
         "--trainer.max_epochs=1", "--trainer.limit_train_batches=2", "--trainer.check_val_every_n_epoch=1",
         "--data.persistent_workers=false",
     ]
-    proc = subprocess.run([sys.executable, str(REPO / "recipes" / "coco_swin.py"), *args], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_ranks([sys.executable, str(REPO / "recipes" / "coco_swin.py"), *args], cwd=tmp_path, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("final metrics") == 1  # printed once, by rank 0
     run = tmp_path / "run" / "lightning_logs" / "version_0"
@@ -307,8 +307,8 @@ def test_fsdp_overflow_step_is_skipped_on_every_rank(tmp_path: Path) -> None:
     """fp16 under FSDP: an inf loss on one rank only (it reaches every shard through the gradient
     reduce-scatter) makes both ranks skip the step, weights unchanged and finite, and halve the
     scale; the next, finite step updates both the same way."""
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "fsdp_overflow.py"), str(tmp_path / "out.json")],
-                          cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = run_ranks([sys.executable, str(REPO / "tests" / "scripts" / "fsdp_overflow.py"), str(tmp_path / "out.json")],
+                     cwd=tmp_path, env=_env(), timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ranks = json.loads((tmp_path / "out.json").read_text())
     assert len(ranks) == 2
@@ -340,8 +340,7 @@ def test_recipes_run_under_fsdp(recipe: str, precision: str, coco5: Path, tmp_pa
     ]
     if recipe == "coco_swin":
         args.append("--data.persistent_workers=false")
-    proc = subprocess.run([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *args], cwd=tmp_path, env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    proc = run_ranks([sys.executable, str(REPO / "recipes" / f"{recipe}.py"), *args], cwd=tmp_path, env=_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert proc.stdout.count("final metrics") == 1
     run = tmp_path / "run" / "lightning_logs" / "version_0"
