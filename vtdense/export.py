@@ -553,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def graph_signature(path: str | Path) -> list[str]:
-    """``["# inputs  image  [batch, 3, 512, 512]", "# outputs stage1 [...]  ..."]``: the names and
+    """``["# inputs  image [batch, 3, 512, 512]", "# outputs stage1 [...]  ..."]``: the names and
     shapes (a name for a dynamic dimension) of an ONNX file's inputs and outputs, read from its
     graph (weights stored apart are not loaded)."""
     import onnx
