@@ -13,6 +13,7 @@ __all__ = [
     "NO_DECAY_RULES",
     "adamw",
     "apply_layer_decay",
+    "check_no_decay",
     "fused_adamw_blocker",
     "layer_ids",
     "param_groups",
