@@ -438,7 +438,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
 
     from torch.utils.data import DataLoader
 
-    from vtdense.data.predict import PredictImages, collate_predict, list_images
+    from vtdense.data.predict import PredictImages, collate_predict, first_names, list_images
     from vtdense.models.compile import check_compile_option
     from vtdense.tasks.predict import PredictionWriter, default_output_dir
 
@@ -501,7 +501,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
         print(f"predicted {writer.count} images with {ns.ckpt_path}")
         if writer.skipped:
             print(f"skipped {len(writer.skipped)} images that could not be decoded (listed under 'skipped' in the index): "
-                  + ", ".join(writer.skipped[:5]) + (", ..." if len(writer.skipped) > 5 else ""))
+                  + first_names(writer.skipped))
         print(f"output directory: {out_dir}")
         for sub in subdirs:
             print(f"  {sub}/  ({sum(1 for _ in (out_dir / sub).glob('**/*.png'))} PNG)")

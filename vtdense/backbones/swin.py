@@ -44,6 +44,7 @@ from vtdense.layers.plain import plain_layer_norm, plain_linear
 from vtdense.layers.position import log_cpb_coords, log_spaced_coords, relative_position_index
 from vtdense.layers import triton_window_attention as triton_attention
 from vtdense.layers.windows import (
+    ceil_div,
     effective_window,
     mask_value,
     pad_to_window,
@@ -657,11 +658,11 @@ def log_cpb_windows(
     window = to_2tuple(window_size, "window_size")
     size = to_2tuple(image_size, "image_size")
     fixed = _per_stage_windows(pretrained_window_size, num_stages)
-    maps = [-(-s // patch_size) for s in size]
+    maps = [ceil_div(s, patch_size) for s in size]
     out = []
     for i in range(num_stages):
         if i:
-            maps = [-(-m // 2) for m in maps]
+            maps = [ceil_div(m, 2) for m in maps]
         out.append(fixed[i] if fixed[i] != (0, 0) else effective_window(tuple(maps), window, (0, 0))[0])
     return out
 

@@ -46,6 +46,7 @@ __all__ = [
     "PredictImages",
     "collate_predict",
     "detection_predict_transform",
+    "first_names",
     "list_images",
     "segmentation_predict_transform",
 ]
@@ -59,6 +60,11 @@ ImageSource = Union[str, os.PathLike, Tensor]
 #: Decoding reduces images whose long side exceeds this (never below the model's input size).
 _DECODE_MAX_SIDE = 4096
 _GLOB_CHARS = frozenset("*?[")
+
+
+def first_names(names: Sequence[str], limit: int = 5) -> str:
+    """``"a.jpg, b.png, ..."``: the first ``limit`` names, for a message about many files."""
+    return ", ".join(names[:limit]) + (", ..." if len(names) > limit else "")
 
 
 def _check_header(path: Path) -> None:
@@ -154,7 +160,7 @@ def list_images(path: str | os.PathLike[str]) -> list[ImageFile]:
             f"no images in {where}{what}; looked for files ending in {', '.join(IMAGE_SUFFIXES)}"
         )
     if others:
-        shown = ", ".join(f.name for f in others[:3]) + (", ..." if len(others) > 3 else "")
+        shown = first_names([f.name for f in others], 3)
         logger.warning("%s: left out %d files that are not images by their suffix (%s)", where, len(others), shown)
     for f in files:
         _check_header(f)

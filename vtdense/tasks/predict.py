@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader
 from torchvision.transforms.v2 import functional as TF
 
 from vtdense.data.images import decode_image
-from vtdense.data.predict import ImageFile, ImageSource, PredictImages, collate_predict, list_images
+from vtdense.data.predict import ImageFile, ImageSource, PredictImages, collate_predict, first_names, list_images
 from vtdense.tasks.base import atomic_write_bytes, task_family
 
 __all__ = [
@@ -209,7 +209,7 @@ def predict_images(
     skipped = dataset.skipped(done)
     if skipped:
         logger.warning("predicted %d of %d images; skipped %d that could not be decoded: %s", len(results), len(dataset),
-                       len(skipped), ", ".join(skipped[:5]) + (", ..." if len(skipped) > 5 else ""))
+                       len(skipped), first_names(skipped))
     return results
 
 
@@ -302,7 +302,7 @@ class PredictionWriter(BasePredictionWriter):
             if self.skipped:
                 info["skipped"] = self.skipped
                 logger.warning("predicted %d images; skipped %d that could not be decoded: %s", self.count, len(self.skipped),
-                               ", ".join(self.skipped[:5]) + (", ..." if len(self.skipped) > 5 else ""))
+                               first_names(self.skipped))
             self.files = pl_module.write_prediction_index(self.output_dir, records, info)
 
 
