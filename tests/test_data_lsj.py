@@ -168,7 +168,7 @@ def test_lsj_options_are_checked() -> None:
         detection_lsj_transforms(0)
     with pytest.raises(ValueError, match="flip_prob must be in"):
         detection_lsj_transforms(64, flip_prob=1.5)
-    with pytest.raises(ValueError, match=r"train_augment must be one of \['multiscale', 'lsj'\], got 'jitter'"):
+    with pytest.raises(ValueError, match=r"train_augment must be one of \['multiscale', 'multiscale_crop', 'lsj'\], got 'jitter'"):
         COCODataModule(train_augment="jitter")
     with pytest.raises(ValueError, match="lsj_scale_range"):
         COCODataModule(train_augment="lsj", lsj_scale_range=(2.0, 1.0))

@@ -139,6 +139,10 @@ def test_print_config(recipe: ModuleType, config: str | None, capsys: pytest.Cap
     if config == "coco_swin_t_maskrcnn_1x.yaml":
         assert "max_epochs: 12" in printed and "- 8.0\n  - 11.0" in printed
         assert "box_head_width: 1024" in printed and "mask_head_channels: 256" in printed
+    if config in ("coco_swin_t_maskrcnn_1x.yaml", "coco_swin_t_maskrcnn_3x.yaml"):
+        # the official configs' DETR-style crop (AutoAugment) on half of the images
+        assert "train_augment: multiscale_crop" in printed and "crop_prob: 0.5" in printed
+        assert "crop_max_size: 1333" in printed and "crop_size_range:\n  - 384\n  - 600" in printed
 
 
 @pytest.mark.parametrize(
@@ -198,4 +202,4 @@ def test_mvitv2_config_parses_with_hybrid_windows(recipe: ModuleType, capsys: py
     assert "max_epochs: 36" in printed and "slim_heads: false" in printed and "weight_decay: 0.1" in printed
     # detectron2's mask_rcnn_mvitv2_t_3x: 64 images per step on 8 GPUs, drop path 0.2, steps at 78% / 93%
     assert "batch_size: 8" in printed and "drop_path_rate: 0.2" in printed and "- 28.0\n  - 33.0" in printed
-    assert "train_augment: multiscale" in printed and "test_scale: 800" in printed and "warmup_steps: 250" in printed
+    assert "train_augment: multiscale_crop" in printed and "crop_max_size: null" in printed and "test_scale: 800" in printed and "warmup_steps: 250" in printed

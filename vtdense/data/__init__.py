@@ -13,7 +13,12 @@ from vtdense.data.samplers import (
 from vtdense.data.seeding import SampleKey, SeededDataset
 from vtdense.data.synthetic import make_synthetic_coco, synthetic_coco_root
 from vtdense.data.synthetic_seg import generate_synthetic_segmentation
-from vtdense.data.transforms import detection_eval_transforms, detection_lsj_transforms, detection_train_transforms
+from vtdense.data.transforms import (
+    detection_crop_transforms,
+    detection_eval_transforms,
+    detection_lsj_transforms,
+    detection_train_transforms,
+)
 
 __all__ = [
     "ADE20KDataModule",
@@ -29,6 +34,7 @@ __all__ = [
     "SegmentationFolder",
     "aspect_ratio_group_ids",
     "collate_detection",
+    "detection_crop_transforms",
     "detection_eval_transforms",
     "detection_lsj_transforms",
     "detection_train_transforms",

@@ -55,6 +55,7 @@ from vtdense.data.transforms import (
     DEFAULT_MAX_SIZE,
     DEFAULT_TEST_SCALE,
     DEFAULT_TRAIN_SCALES,
+    detection_crop_transforms,
     detection_eval_transforms,
     detection_lsj_transforms,
     detection_train_transforms,
@@ -494,7 +495,7 @@ def collate_detection(batch: Sequence[tuple[Tensor, dict[str, Any]]]) -> tuple[l
 
 
 #: Training augmentation choices of :class:`COCODataModule`.
-_TRAIN_AUGMENTS: tuple[str, ...] = ("multiscale", "lsj")
+_TRAIN_AUGMENTS: tuple[str, ...] = ("multiscale", "multiscale_crop", "lsj")
 
 _SPLIT_FILES: dict[str, tuple[str, str]] = {
     "train": ("annotations/instances_train2017.json", "train2017"),
@@ -535,8 +536,16 @@ class COCODataModule(L.LightningDataModule):
         test_scale: Short side in evaluation.
         flip_prob: Horizontal-flip probability in training.
         train_augment: ``"multiscale"`` (short side from ``train_scales``, long side capped at
-            ``max_size``) or ``"lsj"`` (large-scale jitter: rescale to ``lsj_scale_range`` of
-            ``lsj_size``, random crop, pad to ``lsj_size`` square, boxes recomputed from masks).
+            ``max_size``), ``"multiscale_crop"`` (the same, after the DETR-style random crop of
+            the Swin and MViTv2 recipes on a ``crop_prob`` share of the images; see
+            :func:`~vtdense.data.transforms.detection_crop_transforms`) or ``"lsj"`` (large-scale
+            jitter: rescale to ``lsj_scale_range`` of ``lsj_size``, random crop, pad to
+            ``lsj_size`` square, boxes recomputed from masks).
+        crop_prob: ``multiscale_crop``: share of the images resized and cropped first.
+        crop_scales: ``multiscale_crop``: short sides of the resize before the crop.
+        crop_max_size: ``multiscale_crop``: long-side cap of that resize (1333 in the official
+            Swin configs; ``None``, no cap, in detectron2's).
+        crop_size_range: ``multiscale_crop``: ``(low, high)`` of the crop's height and width.
         lsj_size: Output side of large-scale jitter.
         lsj_scale_range: Scale range of large-scale jitter.
         group_by_aspect_ratio: Training batches hold only portrait or only landscape images
@@ -570,6 +579,10 @@ class COCODataModule(L.LightningDataModule):
         test_scale: int = DEFAULT_TEST_SCALE,
         flip_prob: float = 0.5,
         train_augment: str = "multiscale",
+        crop_prob: float = 0.5,
+        crop_scales: Sequence[int] = (400, 500, 600),
+        crop_max_size: int | None = DEFAULT_MAX_SIZE,
+        crop_size_range: tuple[int, int] = (384, 600),
         lsj_size: int = 1024,
         lsj_scale_range: tuple[float, float] = (0.1, 2.0),
         group_by_aspect_ratio: bool = False,
@@ -601,6 +614,10 @@ class COCODataModule(L.LightningDataModule):
         if train_augment not in _TRAIN_AUGMENTS:
             raise ValueError(f"train_augment must be one of {list(_TRAIN_AUGMENTS)}, got {train_augment!r}")
         self.train_augment = train_augment
+        self.crop_prob = crop_prob
+        self.crop_scales = tuple(int(s) for s in crop_scales)
+        self.crop_max_size = crop_max_size
+        self.crop_size_range = tuple(int(v) for v in crop_size_range)
         self.lsj_size = lsj_size
         self.lsj_scale_range = tuple(float(v) for v in lsj_scale_range)
         self.group_by_aspect_ratio = bool(group_by_aspect_ratio)
@@ -713,6 +730,11 @@ class COCODataModule(L.LightningDataModule):
         """The training transforms selected by ``train_augment`` (validates their options)."""
         if self.train_augment == "lsj":
             return detection_lsj_transforms(self.lsj_size, self.lsj_scale_range, self.flip_prob)
+        if self.train_augment == "multiscale_crop":
+            return detection_crop_transforms(
+                self.train_scales, self.max_size, self.flip_prob, self.crop_prob, self.crop_scales,
+                self.crop_max_size, self.crop_size_range,
+            )
         return detection_train_transforms(self.train_scales, self.max_size, self.flip_prob)
 
     def _make(self, split: str, train: bool) -> COCODetection:

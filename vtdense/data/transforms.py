@@ -15,6 +15,12 @@ as used by ViTDet and MViTv2) instead resizes so the image fits a square of ``si
 ``s`` drawn from ``scale_range`` (0.1..2.0 of 1024), takes a random crop of at most ``size``,
 pads to ``size x size`` and recomputes each box from its cropped mask.
 
+The DETR-style crop of the Swin and MViTv2 detection recipes (:func:`detection_crop_transforms`,
+Carion et al. 2020; mmdetection's ``AutoAugment`` policy in the official Swin configs, detectron2's
+``RandomApply`` in its MViTv2 configs) applies to half of the images: resize the short side to one
+of 400/500/600, crop a random ``h x w`` with each side drawn from 384..600 (detectron2's and
+mmdetection's ``absolute_range``), then the usual multi-scale resize.
+
 Random draws use the global ``torch`` generator, so a sample's augmentation is reproducible
 when the global state is seeded per sample (see :mod:`vtdense.data.seeding`).
 """
@@ -37,8 +43,10 @@ __all__ = [
     "INSTANCE_KEYS",
     "BoxesFromMasks",
     "FixedSizeCropPad",
+    "RandomRangeCrop",
     "RandomScaleResize",
     "ResizeShortestEdge",
+    "detection_crop_transforms",
     "detection_eval_transforms",
     "detection_lsj_transforms",
     "detection_train_transforms",
@@ -162,6 +170,60 @@ def detection_train_transforms(
     )
 
 
+def detection_crop_transforms(
+    scales: Sequence[int] = DEFAULT_TRAIN_SCALES,
+    max_size: int | None = DEFAULT_MAX_SIZE,
+    flip_prob: float = 0.5,
+    crop_prob: float = 0.5,
+    crop_scales: Sequence[int] = (400, 500, 600),
+    crop_max_size: int | None = DEFAULT_MAX_SIZE,
+    crop_size_range: Sequence[int] = (384, 600),
+) -> v2.Compose:
+    """Multi-scale training transforms with the DETR-style random crop on a share of the images.
+
+    With probability ``crop_prob`` the image is first resized to a short side from
+    ``crop_scales`` (long side ``<= crop_max_size``) and cropped by :class:`RandomRangeCrop`;
+    then every image gets the multi-scale resize of :func:`detection_train_transforms`, the
+    flip, and float conversion. The defaults are the official Swin detection configs'
+    (mmdetection's ``AutoAugment`` with two equally likely policies). detectron2's MViTv2 configs
+    use the same crop with no cap on the first resize: ``crop_max_size=None``.
+
+    Args:
+        scales: Candidate short sides of the final resize.
+        max_size: Cap on the long side of the final resize (``None``: no cap).
+        flip_prob: Probability of a horizontal flip.
+        crop_prob: Probability that an image is resized and cropped before the final resize.
+        crop_scales: Candidate short sides of the resize before the crop.
+        crop_max_size: Cap on the long side of the resize before the crop (``None``: no cap).
+        crop_size_range: ``(low, high)`` of the crop's height and width.
+
+    Returns:
+        A v2 transform over ``(image, target)``.
+
+    Raises:
+        ValueError: On empty or non-positive sizes, an invalid crop range, or a probability
+            outside [0, 1]; the message names the option.
+    """
+    sizes = _check_scales(scales, max_size)
+    if not 0.0 <= flip_prob <= 1.0:
+        raise ValueError(f"flip_prob must be in [0, 1], got {flip_prob}")
+    if not 0.0 <= crop_prob <= 1.0:
+        raise ValueError(f"crop_prob must be in [0, 1], got {crop_prob}")
+    try:
+        first = _check_scales(crop_scales, crop_max_size)
+    except ValueError as err:
+        raise ValueError(f"crop_scales / crop_max_size: {err}") from None
+    crop = v2.Compose([ResizeShortestEdge(first, max_size=crop_max_size), RandomRangeCrop(crop_size_range)])
+    return v2.Compose(
+        [
+            v2.RandomApply([crop], p=crop_prob),
+            ResizeShortestEdge(sizes, max_size=max_size),
+            v2.RandomHorizontalFlip(p=flip_prob),
+            v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True),
+        ]
+    )
+
+
 def detection_eval_transforms(scale: int = DEFAULT_TEST_SCALE, max_size: int | None = DEFAULT_MAX_SIZE) -> v2.Compose:
     """Evaluation transforms: fixed short-side resize with a long-side cap, float in [0, 1].
 
@@ -211,6 +273,52 @@ class RandomScaleResize(v2.Transform):
         return self._call_kernel(F.resize, inpt, size=params["size"], antialias=self.antialias)
 
 
+def _random_offset(height: int, width: int, crop_h: int, crop_w: int) -> tuple[int, int]:
+    """Uniform ``(top, left)`` of a ``crop_h x crop_w`` window inside ``height x width``, last offset included."""
+    return int(torch.randint(height - crop_h + 1, ())), int(torch.randint(width - crop_w + 1, ()))
+
+
+def _check_crop_range(size_range: Sequence[int]) -> tuple[int, int]:
+    """Validate a ``(low, high)`` range of crop sides."""
+    rng = tuple(int(v) for v in size_range)
+    if len(rng) != 2 or not 0 < rng[0] <= rng[1]:
+        raise ValueError(f"crop_size_range must be (low, high) with 0 < low <= high, got {list(size_range)}")
+    return rng[0], rng[1]
+
+
+class RandomRangeCrop(v2.Transform):
+    """Random crop whose height and width are each drawn from ``size_range`` (inclusive).
+
+    Each side is drawn uniformly from ``min(side, low) .. min(side, high)``, so an image smaller
+    than ``low`` keeps that side whole, then the window's position is drawn uniformly: the law of
+    detectron2's and mmdetection's ``RandomCrop(crop_type="absolute_range")``. Boxes are shifted
+    and clamped to the crop (an instance cropped away gets a zero-width box, which
+    :func:`drop_degenerate_instances` removes; an image may be left with no instance, as the
+    references allow); masks are cropped.
+
+    Args:
+        size_range: ``(low, high)`` crop side in pixels (384..600 in the DETR-style recipes).
+    """
+
+    def __init__(self, size_range: Sequence[int] = (384, 600)) -> None:
+        super().__init__()
+        self.size_range = _check_crop_range(size_range)
+
+    def make_params(self, flat_inputs: list[Any]) -> dict[str, Any]:
+        """Draw the crop's height, width and top-left corner."""
+        height, width = _sample_size(flat_inputs, type(self).__name__)
+        low, high = self.size_range
+        crop_h = int(torch.randint(min(height, low), min(height, high) + 1, ()))
+        crop_w = int(torch.randint(min(width, low), min(width, high) + 1, ()))
+        top, left = _random_offset(height, width, crop_h, crop_w)
+        return {"crop": (top, left, crop_h, crop_w)}
+
+    def transform(self, inpt: Any, params: dict[str, Any]) -> Any:
+        """Crop one input to ``params["crop"]``."""
+        top, left, crop_h, crop_w = params["crop"]
+        return self._call_kernel(F.crop, inpt, top=top, left=left, height=crop_h, width=crop_w)
+
+
 class FixedSizeCropPad(v2.Transform):
     """Random crop of at most ``size x size``, then pad bottom/right to exactly ``size x size``.
 
@@ -233,8 +341,7 @@ class FixedSizeCropPad(v2.Transform):
         """Draw the crop's top-left corner; compute the crop and pad extents."""
         height, width = _sample_size(flat_inputs, type(self).__name__)
         crop_h, crop_w = min(height, self.size), min(width, self.size)
-        top = int(torch.randint(height - crop_h + 1, ()))
-        left = int(torch.randint(width - crop_w + 1, ()))
+        top, left = _random_offset(height, width, crop_h, crop_w)
         return {"crop": (top, left, crop_h, crop_w), "pad": [0, 0, self.size - crop_w, self.size - crop_h]}
 
     def transform(self, inpt: Any, params: dict[str, Any]) -> Any:
