@@ -139,6 +139,13 @@ def test_print_config(recipe: ModuleType, config: str | None, capsys: pytest.Cap
     if config == "coco_swin_t_maskrcnn_1x.yaml":
         assert "max_epochs: 12" in printed and "- 8.0\n  - 11.0" in printed
         assert "box_head_width: 1024" in printed and "mask_head_channels: 256" in printed
+    if config == "coco_swin_t_retinanet_1x.yaml":
+        # mmdet's retinanet_swin-t-p4-w7_fpn_1x_coco: SGD on every parameter, single scale
+        assert "optimizer: sgd" in printed and "momentum: 0.9" in printed and "lr: 0.01\n" in printed
+        assert "weight_decay: 0.0001" in printed and "no_decay: none" in printed
+        assert "train_scales:\n  - 800\n" in printed and "train_augment: multiscale\n" in printed
+    elif "optimizer: adamw" not in printed:
+        raise AssertionError("the other recipes train with AdamW")
     if config in ("coco_swin_t_maskrcnn_1x.yaml", "coco_swin_t_maskrcnn_3x.yaml"):
         # the official configs' DETR-style crop (AutoAugment) on half of the images
         assert "train_augment: multiscale_crop" in printed and "crop_prob: 0.5" in printed

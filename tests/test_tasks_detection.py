@@ -342,6 +342,43 @@ def test_optimizer_groups_skip_decay_on_norms_and_tables(rule: str) -> None:
     assert conf["lr_scheduler"]["interval"] == "step"
 
 
+def test_sgd_with_every_parameter_decayed_steps_as_mmdet_sgd() -> None:
+    """``optimizer="sgd"`` with ``no_decay="none"`` (mmdet's RetinaNet recipe): one group, every
+    parameter (norms, biases, position tables) decayed, and two steps equal the hand-computed
+    momentum update ``buf = m * buf + (g + wd * p)``, ``p -= lr * buf``."""
+    torch.manual_seed(0)
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, head="retinanet", num_classes=2, optimizer="sgd",
+                         momentum=0.9, lr=0.01, weight_decay=1e-4, no_decay="none", fpn_channels=32)
+
+    class FakeTrainer:
+        estimated_stepping_batches = 100
+        num_training_batches = 10
+        accumulate_grad_batches = 1
+
+    task._trainer = FakeTrainer()  # type: ignore[assignment]
+    opt = task.configure_optimizers()["optimizer"]
+    assert type(opt) is torch.optim.SGD
+    for group in opt.param_groups:  # backbone and the rest: the same settings, all decayed
+        assert group["weight_decay"] == 1e-4 and group["momentum"] == 0.9 and group["dampening"] == 0
+        assert not group["nesterov"] and group["lr"] == pytest.approx(0.01 * 0.001)  # the warm-up's first step
+    lr = opt.param_groups[0]["lr"]
+    params = [p for p in task.model.parameters() if p.requires_grad]
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {id(p) for p in params}
+    assert any("relative_position_bias_table" in n for n, _ in task.model.named_parameters())
+    start = [p.detach().clone() for p in params]
+    grads = [[torch.randn_like(p) for p in params] for _ in range(2)]
+    expected, bufs = [p.clone() for p in start], [torch.zeros_like(p) for p in start]
+    for step in range(2):
+        for i, p in enumerate(params):
+            p.grad = grads[step][i].clone()
+            d = grads[step][i] + 1e-4 * expected[i]
+            bufs[i] = d if step == 0 else 0.9 * bufs[i] + d
+            expected[i] = expected[i] - lr * bufs[i]
+        opt.step()
+    for p, e in zip(params, expected):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7)
+
+
 def test_lr_schedules_equal_hand_computed_multipliers() -> None:
     """``warmup_schedule`` against the formulas written out by hand: linear warmup from
     ``warmup_factor`` (mmdet's ``LinearLR``), the step schedule counting a milestone from its own
@@ -422,7 +459,9 @@ def test_layer_decay_composes_with_the_backbone_multiplier() -> None:
         ("lr_schedule", "linear", r"unknown lr_schedule 'linear' \(option 'lr_schedule'\)"),
         ("metric_backend", "cocoapi", r"unknown metric_backend 'cocoapi' \(option 'metric_backend'\)"),
         ("num_classes", 0, "num_classes must be >= 1"),
-        ("no_decay", "bias", r"unknown no_decay 'bias' \(option 'no_decay'\); choose one of names, 1d"),
+        ("no_decay", "bias", r"unknown no_decay 'bias' \(option 'no_decay'\); choose one of names, 1d, none"),
+        ("optimizer", "adam", r"unknown optimizer 'adam' \(option 'optimizer'\); choose one of adamw, sgd"),
+        ("momentum", 1.0, r"momentum must be in \[0, 1\) \(option 'momentum'\), got 1.0"),
     ],
 )
 def test_bad_options_raise(option: str, value: Any, message: str) -> None:

@@ -225,7 +225,7 @@ class BaseTask(LightningModule):
             d.skip_file = self.run_dir / SKIP_REPORT_NAME
 
     def on_train_start(self) -> None:
-        """After a resume, step with the AdamW implementation chosen for this run (see
+        """After a resume, step with the AdamW / SGD implementation chosen for this run (see
         :func:`vtdense.tasks.optim.adamw`), not the one the checkpoint was saved with.
 
         ``torch.optim`` restores each group's ``fused`` flag from the checkpoint, while the
@@ -239,7 +239,7 @@ class BaseTask(LightningModule):
         if self.trainer.ckpt_path is not None and self.trainer.is_global_zero:
             print(f"resumed at epoch {self.current_epoch}, step {self.global_step} from {self.trainer.ckpt_path}", flush=True)
         for opt in self.trainer.optimizers:
-            if not isinstance(opt, torch.optim.AdamW) or "fused" not in opt.defaults:
+            if not isinstance(opt, (torch.optim.AdamW, torch.optim.SGD)) or "fused" not in opt.defaults:
                 continue
             fused = bool(opt.defaults["fused"])
             for group in opt.param_groups:

@@ -42,7 +42,7 @@ from vtdense.models.compile import check_compile_option
 from vtdense.models.detection import HEADS, build_detector, list_heads, set_size_divisibility
 from vtdense.models.mask_rois import check_mask_rois_multiple
 from vtdense.tasks.base import BaseTask
-from vtdense.tasks.optim import adamw, apply_layer_decay, check_no_decay, param_groups, warmup_schedule
+from vtdense.tasks.optim import apply_layer_decay, check_no_decay, check_optimizer, make_optimizer, param_groups, warmup_schedule
 
 __all__ = ["DetectionTask", "LR_SCHEDULES", "METRIC_BACKENDS", "IOU_TYPES", "METRIC_NAMES"]
 
@@ -163,6 +163,8 @@ class DetectionTask(BaseTask):
         lr: float = 1e-4,
         weight_decay: float = 0.05,
         no_decay: str = "names",
+        optimizer: str = "adamw",
+        momentum: float = 0.9,
         backbone_lr_mult: float = 1.0,
         layer_decay: float | None = None,
         lr_schedule: str = "step",
@@ -206,12 +208,16 @@ class DetectionTask(BaseTask):
             detections_per_img: detections kept per image.
             score_thresh: minimum detection score.
             head_kwargs: extra keyword arguments for the torchvision detector class.
-            lr: AdamW learning rate.
-            weight_decay: AdamW weight decay (not applied to position tables, logit scales and, by
+            lr: learning rate.
+            weight_decay: weight decay (not applied to position tables, logit scales and, by
                 ``no_decay``, norms or every 1-D tensor and bias).
             no_decay: ``"names"`` (norms and position tables get no decay, biases do: the mmdet Swin and
-                detectron2 MViTv2 recipes) or ``"1d"`` (every 1-D tensor and bias too: timm's rule);
+                detectron2 MViTv2 recipes), ``"1d"`` (every 1-D tensor and bias too: timm's rule) or
+                ``"none"`` (everything decays: mmdet's SGD recipes);
                 :data:`vtdense.tasks.optim.NO_DECAY_RULES`.
+            optimizer: ``"adamw"`` (betas 0.9, 0.999) or ``"sgd"`` (with ``momentum``: mmdet's
+                RetinaNet recipe); :data:`vtdense.tasks.optim.OPTIMIZERS`.
+            momentum: SGD momentum.
             backbone_lr_mult: learning-rate multiplier of the backbone parameters.
             layer_decay: layer-wise lr decay of the backbone (``None``: off); backbone layer ``i``
                 of ``N`` gets ``layer_decay ** (N - i)`` times its lr, the neck and heads ``1``.
@@ -232,7 +238,7 @@ class DetectionTask(BaseTask):
                 and of prediction on images of any size, so per-shape set-up (cuDNN plans,
                 compiled graphs) is paid a few dozen times instead of hundreds, for more padded
                 pixels; ``benchmarks/padding.py`` measures both. Must be a multiple of the backbone's.
-            fused_optimizer: torch's fused AdamW step (one kernel per chunk of parameters): ``None``
+            fused_optimizer: torch's fused AdamW or SGD step (one kernel per chunk of parameters): ``None``
                 (auto) uses it on CPUs and GPUs unless gradient clipping under mixed precision or
                 fp16 loss scaling rule it out; ``True`` requires it; ``False`` keeps torch's default.
             compile_backbone: ``torch.compile`` the backbone and its FPN for all input sizes
@@ -263,6 +269,7 @@ class DetectionTask(BaseTask):
         if head not in HEADS:
             raise ValueError(f"unknown head {head!r} (option 'head'); choose one of {', '.join(list_heads())}")
         check_no_decay(no_decay)
+        check_optimizer(optimizer, momentum)
         if lr_schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"unknown lr_schedule {lr_schedule!r} (option 'lr_schedule'); choose one of {', '.join(LR_SCHEDULES)}"
@@ -402,7 +409,7 @@ class DetectionTask(BaseTask):
                 self.build()
 
     def configure_optimizers(self) -> dict[str, Any]:
-        """AdamW with decay / no-decay groups and a per-iteration warmup + decay LambdaLR."""
+        """AdamW or SGD (``optimizer``) with decay / no-decay groups and a per-iteration warmup + decay LambdaLR."""
         hp = self.hparams
         groups = param_groups(
             self._detector, hp["weight_decay"], backbone_prefix="backbone.body.", backbone_lr_mult=hp["backbone_lr_mult"],
@@ -413,8 +420,9 @@ class DetectionTask(BaseTask):
         for group in groups:
             group["lr"] = hp["lr"] * group["lr_mult"]
             group.pop("param_names", None)
-        optimizer = adamw(
-            groups, fused=hp.get("fused_optimizer"), trainer=self._trainer, lr=hp["lr"], weight_decay=hp["weight_decay"]
+        optimizer = make_optimizer(
+            hp.get("optimizer", "adamw"), groups, lr=hp["lr"], weight_decay=hp["weight_decay"],
+            momentum=hp.get("momentum", 0.9), fused=hp.get("fused_optimizer"), trainer=self._trainer,
         )
 
         total = self.trainer.estimated_stepping_batches

@@ -11,12 +11,16 @@ from torch import nn
 __all__ = [
     "NO_DECAY_KEYWORDS",
     "NO_DECAY_RULES",
+    "OPTIMIZERS",
     "adamw",
     "apply_layer_decay",
     "check_no_decay",
+    "check_optimizer",
     "fused_adamw_blocker",
     "layer_ids",
+    "make_optimizer",
     "param_groups",
+    "sgd",
     "warmup_schedule",
 ]
 
@@ -40,11 +44,16 @@ NO_DECAY_KEYWORDS: tuple[str, ...] = (
 #:   ``custom_keys``: ``absolute_pos_embed``, ``relative_position_bias_table``, ``norm``; biases
 #:   at the full decay) and detectron2's MViTv2 (``weight_decay_norm=0``, position tables 0);
 #: - ``"1d"``: every 1-D tensor and every bias, the classification recipes' rule (timm, the
-#:   official Swin / Swin V2 code).
-NO_DECAY_RULES: tuple[str, ...] = ("names", "1d")
+#:   official Swin / Swin V2 code);
+#: - ``"none"``: every parameter decays, :data:`NO_DECAY_KEYWORDS` included: an optimizer
+#:   config without ``paramwise_cfg``, as mmdetection's SGD recipes (RetinaNet, the ResNet
+#:   detectors) have it.
+NO_DECAY_RULES: tuple[str, ...] = ("names", "1d", "none")
 
 
 def _no_decay(name: str, param: torch.Tensor, extra: Iterable[str], rule: str = "1d") -> bool:
+    if rule == "none":
+        return any(k in name for k in extra)
     if rule == "1d" and (param.ndim <= 1 or name.endswith(".bias")):  # norms' weights / biases, all biases
         return True
     if rule == "names" and "norm" in name:
@@ -251,6 +260,16 @@ def fused_adamw_blocker(params: Iterable[torch.Tensor], trainer: Any = None, *, 
     return None
 
 
+def _fused(params: list[torch.Tensor], fused: bool | None, trainer: Any) -> bool:
+    """Whether to step ``params`` with torch's fused kernel (see :func:`adamw`'s ``fused``)."""
+    reason = fused_adamw_blocker(params, trainer, auto=fused is None)
+    if fused and reason is not None:
+        raise ValueError(f"fused_optimizer=True cannot be used with {reason}; set fused_optimizer to null (auto) or false")
+    if fused is None:
+        return reason is None and bool(params)
+    return bool(fused)
+
+
 def adamw(groups: list[dict], *, fused: bool | None = None, trainer: Any = None, **kwargs: Any) -> torch.optim.AdamW:
     """``torch.optim.AdamW`` over ``groups``, with torch's fused kernel where it applies.
 
@@ -268,9 +287,50 @@ def adamw(groups: list[dict], *, fused: bool | None = None, trainer: Any = None,
         kwargs: ``lr``, ``betas``, ``weight_decay``, ... for ``torch.optim.AdamW``.
     """
     params = [p for g in groups for p in g["params"]]
-    reason = fused_adamw_blocker(params, trainer, auto=fused is None)
-    if fused and reason is not None:
-        raise ValueError(f"fused_optimizer=True cannot be used with {reason}; set fused_optimizer to null (auto) or false")
-    if fused is None:
-        fused = reason is None and bool(params)
-    return torch.optim.AdamW(groups, fused=fused, **kwargs)
+    return torch.optim.AdamW(groups, fused=_fused(params, fused, trainer), **kwargs)
+
+
+def sgd(groups: list[dict], *, fused: bool | None = None, trainer: Any = None, **kwargs: Any) -> torch.optim.SGD:
+    """``torch.optim.SGD`` over ``groups``, with torch's fused kernel where it applies (as :func:`adamw`).
+
+    Args:
+        groups: parameter groups (dicts with ``params``; other keys as ``torch.optim.SGD`` takes).
+        fused: as :func:`adamw`'s.
+        trainer: the Lightning trainer the optimiser steps under (precision plugin, clipping).
+        kwargs: ``lr``, ``momentum``, ``weight_decay``, ... for ``torch.optim.SGD``.
+    """
+    params = [p for g in groups for p in g["params"]]
+    return torch.optim.SGD(groups, fused=_fused(params, fused, trainer), **kwargs)
+
+
+#: The tasks' optimizers: ``"adamw"`` (the Swin, Swin V2 and MViTv2 recipes) or ``"sgd"`` with
+#: momentum (mmdetection's RetinaNet and ResNet detector recipes).
+OPTIMIZERS: tuple[str, ...] = ("adamw", "sgd")
+
+
+def check_optimizer(name: str, momentum: float = 0.9) -> str:
+    """``name`` if it is one of :data:`OPTIMIZERS` and ``momentum`` is in [0, 1), else one ``ValueError`` naming the option."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r} (option 'optimizer'); choose one of {', '.join(OPTIMIZERS)}")
+    if not 0.0 <= float(momentum) < 1.0:
+        raise ValueError(f"momentum must be in [0, 1) (option 'momentum'), got {momentum}")
+    return name
+
+
+def make_optimizer(
+    name: str,
+    groups: list[dict],
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float = 0.9,
+    betas: Sequence[float] = (0.9, 0.999),
+    fused: bool | None = None,
+    trainer: Any = None,
+) -> torch.optim.Optimizer:
+    """The optimizer ``name`` (:data:`OPTIMIZERS`) over ``groups``: :func:`adamw` with ``betas``, or
+    :func:`sgd` with ``momentum`` (no dampening, no Nesterov: mmdetection's and detectron2's SGD)."""
+    check_optimizer(name, momentum)
+    if name == "sgd":
+        return sgd(groups, fused=fused, trainer=trainer, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return adamw(groups, fused=fused, trainer=trainer, lr=lr, betas=tuple(betas), weight_decay=weight_decay)
