@@ -11,7 +11,11 @@ both sides of that trade:
 - :func:`epoch_shapes` walks one epoch of vtdense's own training batch plan
   (:class:`~vtdense.data.samplers.GroupedBatchSampler` with aspect-ratio groups, as the published
   recipe) and counts the distinct padded shapes per process, and the padded pixels relative to the
-  32-pixel grid;
+  32-pixel grid. With the published Mask R-CNN configs' DETR-style crop (``multiscale_crop``) the
+  sizes come from the real training transform, run on an empty box list per image under the
+  loader's per-sample seed (:func:`augmented_size`): a cropped image can change orientation after
+  the sampler grouped it by its file's, as in mmdetection's grouping (detectron2 groups after the
+  augmentation);
 - :func:`new_shape_cost` times a training step the first time a shape is seen and again at the
   same shape, for the demo detector (CPU) or the published one (GPU);
 - :func:`mask_roi_cost` does the same for Mask R-CNN's mask branch, whose batch is the step's RoI
@@ -42,11 +46,13 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 from vtdense.data.samplers import EpochRandomSampler, GroupedBatchSampler, aspect_ratio_group_ids  # noqa: E402
-from vtdense.data.transforms import shortest_edge_size  # noqa: E402
+from vtdense.data.seeding import sample_seed, seeded_rng  # noqa: E402
+from vtdense.data.transforms import detection_crop_transforms, shortest_edge_size  # noqa: E402
 
 GRIDS = (32, 64, 128)
-#: The published recipe's multi-scale training (recipes/configs/coco_swin_t_maskrcnn_1x.yaml).
-PUBLISHED = dict(scales=tuple(range(480, 801, 32)), max_size=1333, test_scale=800, batch_size=2, world=8)
+#: The published recipe's multi-scale training (recipes/configs/coco_swin_t_maskrcnn_1x.yaml), and its crop.
+PUBLISHED = dict(scales=tuple(range(480, 801, 32)), max_size=1333, test_scale=800, batch_size=2, world=8,
+                 crop=dict(crop_prob=0.5, crop_scales=(400, 500, 600), crop_max_size=1333, crop_size_range=(384, 600)))
 #: The CPU demo's (recipes/configs/coco_swin_demo.yaml).
 DEMO = dict(scales=(112, 128, 144), max_size=256, test_scale=128, batch_size=4, world=1)
 
@@ -74,6 +80,17 @@ def padded(h: int, w: int, grid: int) -> tuple[int, int]:
     return math.ceil(h / grid) * grid, math.ceil(w / grid) * grid
 
 
+def augmented_size(transform: Any, height: int, width: int, index: int, seed: int = 0, epoch: int = 0) -> tuple[int, int]:
+    """``(height, width)`` that ``transform`` gives image ``index`` of ``height x width`` in ``epoch``:
+    the transform runs on an empty box list of that canvas under the training loader's per-sample
+    seed (:class:`~vtdense.data.seeding.SeededDataset`), so it makes the same draws as on the image."""
+    from torchvision import tv_tensors
+
+    with seeded_rng(sample_seed(seed, epoch, index)):
+        out = transform(tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=(height, width)))
+    return int(out.canvas_size[0]), int(out.canvas_size[1])
+
+
 def epoch_shapes(
     sizes: Sequence[tuple[int, int]],
     scales: Sequence[int],
@@ -82,8 +99,12 @@ def epoch_shapes(
     grids: Sequence[int] = GRIDS,
     world: int = 1,
     seed: int = 0,
+    crop: dict[str, Any] | None = None,
 ) -> dict[int, dict[str, float]]:
     """One training epoch's padded batch shapes at every grid, with the same batches and scales.
+
+    ``crop``: :func:`~vtdense.data.transforms.detection_crop_transforms` options (``crop_prob``,
+    ...); the sizes then come from that transform (:func:`augmented_size`).
 
     Returns:
         ``{grid: {"shapes": distinct shapes over the epoch, "shapes_per_rank": the most any of
@@ -94,7 +115,11 @@ def epoch_shapes(
     sampler = GroupedBatchSampler(
         EpochRandomSampler(range(len(sizes)), seed=seed), batch_size, group_ids=aspect_ratio_group_ids(sizes)
     )
-    batches = [[shortest_edge_size(*sizes[i], rng.choice(scales), max_size) for i in b] for b in sampler]
+    if crop is None:
+        batches = [[shortest_edge_size(*sizes[i], rng.choice(scales), max_size) for i in b] for b in sampler]
+    else:
+        transform = detection_crop_transforms(scales, max_size, **crop)
+        batches = [[augmented_size(transform, *sizes[i], i, seed) for i in b] for b in sampler]
     content = sum(h * w for b in batches for h, w in b)
     out: dict[int, dict[str, float]] = {}
     for grid in grids:
@@ -211,8 +236,9 @@ def run(device: str = "cpu", ann_file: str | None = None, n_images: int = 20000,
     sizes = sizes_from_annotations(ann_file) if ann_file else coco_like_sizes(n_images)
     report: dict[str, Any] = dict(device=device, images=len(sizes),
                                   sizes="annotation file" if ann_file else "COCO-like stand-in (long side 640)")
-    for name, cfg in (("published", PUBLISHED), ("demo", DEMO)):
-        train = epoch_shapes(sizes, cfg["scales"], cfg["max_size"], cfg["batch_size"], world=cfg["world"])
+    for name, cfg in (("published", PUBLISHED), ("published, no crop", dict(PUBLISHED, crop=None)), ("demo", DEMO)):
+        train = epoch_shapes(sizes, cfg["scales"], cfg["max_size"], cfg["batch_size"], world=cfg["world"],
+                             crop=cfg.get("crop"))
         report[name] = dict(cfg, scales=list(cfg["scales"]), train=train,
                             eval=eval_shapes(sizes, cfg["test_scale"], cfg["max_size"]))
     published = device == "cuda"
@@ -238,7 +264,9 @@ def markdown(report: dict[str, Any]) -> list[str]:
     lines = [f"### Padding grid: batch shapes per epoch ({report['images']} images, {report['sizes']})", "",
              "| recipe | grid | train shapes / epoch | per process | padded pixels | pixels vs grid 32 | eval shapes |",
              "|---|---|---|---|---|---|---|"]
-    for name in ("published", "demo"):
+    for name in ("published", "published, no crop", "demo"):
+        if name not in report:
+            continue
         r = report[name]
         for grid, t in r["train"].items():
             lines.append(f"| {name} (batch {r['batch_size']} x {r['world']} processes) | {grid} | {t['shapes']} | "
@@ -249,6 +277,11 @@ def markdown(report: dict[str, Any]) -> list[str]:
               f"{c['first_s'] * 1000:.0f} ms the first time a shape is seen, {c['again_s'] * 1000:.0f} ms again "
               f"(median of {c['measured_shapes']} shapes): {c['new_shape_s'] * 1000:.0f} ms per new shape. "
               "A run pays that once per shape and process; the coarser grid pays its extra pixels at every step."]
+    if "published, no crop" in report:
+        lines += ["", "\"published\" is the Mask R-CNN configs' `multiscale_crop`: half of the images resized to a short side "
+                  "of 400-600 and cropped to 384-600 per side before the multi-scale resize. The sampler groups images by "
+                  "their file's orientation (as mmdetection does; detectron2 groups after the augmentation), and a crop "
+                  "can turn an image, so more batches mix orientations than without the crop."]
     m = report.get("mask_rois")
     if m:
         p, u = m["padded"], m["unpadded"]

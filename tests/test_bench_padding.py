@@ -53,3 +53,32 @@ def _report(mask: dict) -> dict:
     recipe = dict(batch_size=1, world=1, train=train, eval={g: 1 for g in padding.GRIDS})
     cost = dict(detector="x", batch=1, first_s=0.2, again_s=0.1, new_shape_s=0.1, measured_shapes=1)
     return dict(images=1, sizes="s", device="cpu", published=recipe, demo=recipe, cost=cost, mask_rois=mask)
+
+
+def test_augmented_size_is_the_training_transforms_output_size() -> None:
+    """With the crop, the benchmark's sizes are those the training transform gives the image itself
+    under the loader's per-sample seed: cropped ones and plain ones alike."""
+    import torch
+    from torchvision import tv_tensors
+
+    from vtdense.data.seeding import sample_seed, seeded_rng
+    from vtdense.data.transforms import detection_crop_transforms
+
+    transform = detection_crop_transforms([64, 80], 120, crop_scales=[50], crop_size_range=(30, 45))
+    sizes = [(60, 90), (90, 60), (100, 100), (40, 130)] * 5
+    seen = set()
+    for i, (h, w) in enumerate(sizes):
+        with seeded_rng(sample_seed(3, 1, i)):
+            image = transform(tv_tensors.Image(torch.zeros(3, h, w, dtype=torch.uint8)))
+        got = padding.augmented_size(transform, h, w, i, seed=3, epoch=1)
+        assert got == tuple(image.shape[1:])
+        seen.add(got)
+    assert len(seen) > 6  # crops of random sizes, not one resize per input size
+    cfg = padding.PUBLISHED
+    coco = padding.coco_like_sizes(200, seed=2)
+    plain = padding.epoch_shapes(coco, cfg["scales"], cfg["max_size"], cfg["batch_size"], world=cfg["world"])
+    cropped = padding.epoch_shapes(coco, cfg["scales"], cfg["max_size"], cfg["batch_size"], world=cfg["world"],
+                                   crop=cfg["crop"])
+    assert cropped != plain  # the crop changes the batches' sizes
+    for grid in padding.GRIDS:
+        assert 1 <= cropped[grid]["shapes_per_rank"] <= cropped[grid]["shapes"] and cropped[grid]["pad_fraction"] >= 0
