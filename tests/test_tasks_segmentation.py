@@ -324,11 +324,11 @@ def test_predict_transform_scale_precedence() -> None:
 
 
 def test_batched_prediction_crops_each_image_to_its_own_size() -> None:
-    """Images of different sizes share one forward pass, zero-padded bottom/right to the largest
-    (like ``seg_collate`` in validation). Each image's output is the batch logits cropped to its own
-    region, then resized to its original size; never the padded canvas. Batched and one-by-one
-    predictions legitimately differ (the padding changes what windows see), so the reference is
-    the padded batch's own forward."""
+    """Images of different sizes share one forward pass, padded bottom/right to the largest with
+    the mean colour (0 after normalisation, as mmseg pads; like ``seg_collate`` in validation).
+    Each image's output is the batch logits cropped to its own region, then resized to its original
+    size; never the padded canvas. Batched and one-by-one predictions legitimately differ (the
+    padding changes what windows see), so the reference is the padded batch's own forward."""
     torch.manual_seed(0)
     task = _task(aux_weight=0.0).eval()
     task.predict_probs = True
@@ -337,8 +337,11 @@ def test_batched_prediction_crops_each_image_to_its_own_size() -> None:
     for i, im in enumerate(images):
         canvas[i, :, : im.shape[1], : im.shape[2]] = im
     orig = [(80, 112), (36, 108)]
+    sizes = [tuple(im.shape[-2:]) for im in images]
     with torch.no_grad():
-        logits = task(canvas)
+        logits = task(task.fill_padding(canvas, sizes))
+        black = task(canvas)  # the padding left as the loader's zeros: not what the model is given
+        assert not torch.allclose(black[1, :, :24, :72], logits[1, :, :24, :72], atol=1e-3)
         plain = task.predict_step(images, 0)  # no targets: outputs at the input size
         sized = task.predict_step((images, [{"orig_size": s} for s in orig]), 0)
     for i, im in enumerate(images):
@@ -350,6 +353,39 @@ def test_batched_prediction_crops_each_image_to_its_own_size() -> None:
         up = F.interpolate(ref[None], size=orig[i], mode="bilinear", align_corners=False)[0]
         assert sized[i]["label_map"].shape == orig[i]
         torch.testing.assert_close(sized[i]["probs"], up.softmax(0), atol=1e-5, rtol=1e-4)
+
+
+def test_padding_is_the_mean_colour_in_training_validation_and_prediction(tmp_path: Path) -> None:
+    """Whatever a batch was padded with, the model sees 0 (the mean colour after normalisation)
+    beyond each image's ``image_size``, and the normalised image inside it: in the training step,
+    in validation and in prediction, as mmseg normalises and then pads."""
+    torch.manual_seed(0)
+    task = _task(aux_weight=0.0)
+    seen: list[torch.Tensor] = []
+    logits_of = task._logits
+
+    def spy(x: torch.Tensor, with_aux: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        seen.append(x.detach().clone())
+        return logits_of(x, with_aux)
+
+    task._logits = spy  # type: ignore[method-assign]
+    image = torch.rand(2, 3, 32, 40)
+    sizes = torch.tensor([[32, 24], [20, 40]])
+    batch = {"image": image, "mask": torch.zeros(2, 32, 40, dtype=torch.long), "image_size": sizes,
+             "mask_size": sizes.clone()}
+    _trainer(tmp_path, max_steps=1, limit_val_batches=0, enable_checkpointing=False).fit(
+        task, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
+    with torch.no_grad():
+        task.eval()
+        task._predict_batch(batch)
+        task.predict_step([image[0, :, :32, :24], image[1, :, :20, :40]], 0)
+    normalised = (image - task.mean) / task.std
+    assert len(seen) == 3
+    for x in seen:
+        for i, (h, w) in enumerate(sizes.tolist()):
+            torch.testing.assert_close(x[i, :, :h, :w], normalised[i, :, :h, :w])
+            assert (x[i, :, h:] == 0).all() and (x[i, :, :, w:] == 0).all()
+            assert x[i].abs().sum() > 0
 
 
 @pytest.mark.parametrize("num_classes", [256, 300])

@@ -5,8 +5,10 @@ keeping the aspect ratio), random crop with a category-ratio cap (``cat_max_rati
 up to 10 crops while one class covers more than 75% of the labelled pixels), horizontal flip,
 photometric jitter, padding to the crop size. Evaluation resizes the image to the scale
 (keeping the ratio) and keeps the label map at its original size; the task resizes its
-prediction back. Images come out as float tensors in ``[0, 1]`` (the task normalises), masks
-as int64 with ``ignore_index`` (255) for unlabelled and padded pixels.
+prediction back. Images come out as float tensors in ``[0, 1]`` (the task normalises, and
+gives everything beyond a sample's ``image_size`` the mean colour, 0 after normalisation, as
+mmseg pads its normalised crops), masks as int64 with ``ignore_index`` (255) for unlabelled and
+padded pixels.
 
 With ``root=None`` the datamodule reads ``$VTDENSE_DATA/ade20k`` (or ``data/ade20k``); when that
 is empty it generates a small synthetic set in the same layout into

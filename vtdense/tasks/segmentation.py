@@ -275,6 +275,18 @@ class SegmentationTask(BaseTask):
         """``[0, 1]`` images -> normalised model input."""
         return (image - self.mean) / self.std
 
+    def fill_padding(self, image: Tensor, image_sizes: Any) -> Tensor:
+        """``[0, 1]`` images ``(N, C, H, W)`` with everything beyond each image's own extent
+        (``image_sizes``: ``N`` pairs ``(h, w)``) set to the mean colour, which normalises to 0:
+        mmseg normalises its crops and batches and then pads them with 0, whatever the loader
+        padded with. Returns a new tensor."""
+        out = image.clone()
+        mean = self.mean[0].to(out.dtype)
+        for i, (h, w) in enumerate(image_sizes):
+            out[i, :, int(h):] = mean
+            out[i, :, :, int(w):] = mean
+        return out
+
     def forward(self, image: Tensor) -> Tensor:
         """Logits ``(N, num_classes, H, W)`` for ``[0, 1]`` images ``(N, C, H, W)`` of any size."""
         x = self.normalize(image)
@@ -303,6 +315,8 @@ class SegmentationTask(BaseTask):
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
         """Cross-entropy (+ weighted aux loss) on one batch (``None``: step skipped, see ``nonfinite_loss``)."""
         image, mask = batch["image"], batch["mask"]
+        if "image_size" in batch:
+            image = self.fill_padding(image, batch["image_size"])
         logits, aux = self._logits(self.normalize(image), with_aux=True)
         loss_main = self.criterion(logits, mask)
         loss = loss_main
@@ -351,7 +365,7 @@ class SegmentationTask(BaseTask):
     # ------------------------------------------------------------- validation
     def _predict_batch(self, batch: dict[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
         """Per image: (prediction at the label size, label) with padding removed."""
-        logits = self(batch["image"])
+        logits = self(self.fill_padding(batch["image"], batch["image_size"]))
         pairs = []
         for i in range(logits.shape[0]):
             ih, iw = (int(v) for v in batch["image_size"][i])
@@ -507,7 +521,7 @@ class SegmentationTask(BaseTask):
             ]
             hh, ww = max(s[0] for s in in_sizes), max(s[1] for s in in_sizes)
             x = torch.stack([F.pad(im, (0, ww - im.shape[-1], 0, hh - im.shape[-2])) for im in images])
-        logits = self(x)
+        logits = self(self.fill_padding(x, in_sizes))
         out = []
         for i, ((h, w), size) in enumerate(zip(in_sizes, out_sizes)):
             label, probs = resize_logits(logits[i, :, :h, :w], size, with_probs=self.predict_probs)
