@@ -42,7 +42,14 @@ from vtdense.models.compile import check_compile_option
 from vtdense.models.detection import HEADS, build_detector, list_heads, set_size_divisibility
 from vtdense.models.mask_rois import check_mask_rois_multiple
 from vtdense.tasks.base import BaseTask
-from vtdense.tasks.optim import apply_layer_decay, check_no_decay, check_optimizer, make_optimizer, param_groups, warmup_schedule
+from vtdense.tasks.optim import (
+    apply_layer_decay,
+    check_no_decay,
+    check_optimizer,
+    make_optimizer,
+    param_groups,
+    warmup_schedule,
+)
 
 __all__ = ["DetectionTask", "LR_SCHEDULES", "METRIC_BACKENDS", "IOU_TYPES", "METRIC_NAMES"]
 
@@ -209,8 +216,8 @@ class DetectionTask(BaseTask):
             score_thresh: minimum detection score.
             head_kwargs: extra keyword arguments for the torchvision detector class.
             lr: learning rate.
-            weight_decay: weight decay (not applied to position tables, logit scales and, by
-                ``no_decay``, norms or every 1-D tensor and bias).
+            weight_decay: weight decay (by ``no_decay``, not applied to position tables, logit
+                scales, and norms or every 1-D tensor and bias).
             no_decay: ``"names"`` (norms and position tables get no decay, biases do: the mmdet Swin and
                 detectron2 MViTv2 recipes), ``"1d"`` (every 1-D tensor and bias too: timm's rule) or
                 ``"none"`` (everything decays: mmdet's SGD recipes);

@@ -79,8 +79,9 @@ def param_groups(
 ) -> list[dict]:
     """Split trainable parameters into decay / no-decay groups (optionally a backbone lr multiplier).
 
-    Position tables, logit scales and ``no_decay_keywords`` get no weight decay, nor do norms
-    (``rule="names"``) or every 1-D tensor and bias (``rule="1d"``; see :data:`NO_DECAY_RULES`).
+    ``no_decay_keywords`` get no weight decay; nor, unless ``rule="none"``, do position tables
+    and logit scales; nor do norms (``rule="names"``) or every 1-D tensor and bias
+    (``rule="1d"``); see :data:`NO_DECAY_RULES`.
     Each group carries ``lr_mult`` so schedules can scale it.
     """
     check_no_decay(rule)
