@@ -273,3 +273,27 @@ def test_validation_loader_scores_every_image(tmp_path: Path) -> None:
     for loader in (dm.val_dataloader(), dm.test_dataloader()):
         files = [f for batch in loader for f in batch["files"]]
         assert sorted(files) == sorted(p.name for p in (root / "images" / "validation").iterdir())
+
+
+def test_resize_is_mmcv_bilinear_and_the_scale_is_truncated_first() -> None:
+    """mmseg rescales with mmcv's ``imrescale`` (OpenCV ``INTER_LINEAR``, no antialiasing) to the
+    scale ``(int(2048 * r), int(512 * r))``: vtdense's training and evaluation resize agree with
+    OpenCV to rounding on a high-frequency image, where an antialiased resize would not."""
+    import cv2
+
+    from vtdense.data.ade20k import SegEvalTransform, _rescale_size
+
+    g = torch.Generator().manual_seed(0)
+    image = torch.randint(0, 256, (3, 96, 128), dtype=torch.uint8, generator=g)
+    out = SegEvalTransform(scale=(64, 48))(image, torch.zeros(96, 128, dtype=torch.long))["image"]
+    h, w = out.shape[-2:]
+    assert (h, w) == _rescale_size(96, 128, (64, 48)) == (48, 64)
+    ref = cv2.resize(image.permute(1, 2, 0).numpy(), (w, h), interpolation=cv2.INTER_LINEAR)
+    diff = (out * 255).round().permute(1, 2, 0).numpy().astype(int) - ref.astype(int)
+    assert np.abs(diff).max() <= 1, np.abs(diff).max()
+    # the scale is truncated before the fit: ratio 0.7 of (2048, 512) is (1433, 358), not (1433.6, 358.4)
+    random.seed(0)
+    t = SegTrainTransform(scale=(2048, 512), ratio_range=(0.7, 0.7), crop_size=(1000, 2000), photometric=False,
+                          flip_prob=0.0)
+    o = t(torch.zeros(3, 500, 1000, dtype=torch.uint8), torch.zeros(500, 1000, dtype=torch.long))
+    assert tuple(o["image_size"]) == _rescale_size(500, 1000, (1433, 358)) == (358, 716)  # (358, 717) from the untruncated scale

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import lightning as L
@@ -54,7 +55,10 @@ class _Losses(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def test_training_steps_reduce_the_loss(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("layout", "lr"), [("mmseg", 2e-2), ("smp", 2e-3)])
+def test_training_steps_reduce_the_loss(tmp_path: Path, layout: str, lr: float) -> None:
+    """(mmseg's classifier starts at std 0.01, so its logits grow by about lr per AdamW step: this
+    toy run of 8 steps needs a larger lr with that layout.)"""
     torch.manual_seed(0)
     # one fixed batch: left half class 0 (dark), right half class 1 (bright), a class-2 square, ignored border
     image = torch.zeros(3, 64, 64)
@@ -66,7 +70,7 @@ def test_training_steps_reduce_the_loss(tmp_path: Path) -> None:
     mask[:2] = 255
     sample = {"image": image, "mask": mask, "image_size": (64, 64)}
     loader = DataLoader([sample] * 16, batch_size=2, collate_fn=seg_collate)
-    task = _task(lr=2e-3)
+    task = _task(lr=lr, head_layout=layout)
     record = _Losses()
     trainer = _trainer(tmp_path, max_steps=8, limit_val_batches=0, callbacks=[record], enable_checkpointing=False)
     trainer.fit(task, train_dataloaders=loader)
@@ -411,3 +415,78 @@ def test_label_png_keeps_class_ids_above_255(tmp_path: Path, num_classes: int) -
         assert mode.startswith("I") and bit_depth == 16
     ids, counts = np.unique(label.numpy(), return_counts=True)
     assert record["classes"] == {f"class_{c}": pytest.approx(k / 15, abs=1e-6) for c, k in zip(ids, counts)}
+
+
+def test_mmseg_layout_is_the_default_head() -> None:
+    """``head_layout="mmseg"``: the backbone's output norms feed the decoder (no second LayerNorm),
+    Dropout2d(0.1) precedes the classifier (active in training only), the logits are upsampled
+    with ``align_corners=False``, and the heads start from mmcv's initialisation."""
+    from vtdense.models.segmentation import DropoutConv2d
+
+    torch.manual_seed(0)
+    task = _task(arch_kwargs={"decoder_channels": 64}, aux_channels=64)
+    model = task.model
+    assert all(isinstance(n, torch.nn.Identity) for n in model.decoder.feature_norms)
+    assert model.encoder.backbone.out_norms is not None
+    head = model.segmentation_head
+    assert isinstance(head[0], DropoutConv2d) and head[0].p == 0.1 and not head[1].align_corners
+    assert 0.005 < float(head[0].weight.std()) < 0.015 and float(head[0].bias.abs().max()) == 0.0
+    aux_cls = task.aux_head.block[-1]
+    assert 0.005 < float(aux_cls.weight.std()) < 0.015
+    fusion = model.decoder.fusion_block[0]  # 3x3 conv, kaiming normal over fan-out
+    expected = math.sqrt(2.0 / (fusion.out_channels * 9))
+    assert abs(float(fusion.weight.std()) / expected - 1) < 0.1
+    x = torch.rand(1, 3, 64, 96)
+    task.eval()
+    with torch.no_grad():
+        feats = model.encoder(task.normalize(x))
+        low = head[0](model.decoder(list(feats)))
+        ref = F.interpolate(low, size=(64, 96), mode="bilinear", align_corners=False)
+        torch.testing.assert_close(task(x), ref)
+        assert not torch.allclose(ref, F.interpolate(low, size=(64, 96), mode="bilinear", align_corners=True))
+    task.train()  # (a batch of 2: the pooled branch's BatchNorm needs it in training)
+    x2 = task.normalize(torch.rand(2, 3, 64, 96))
+    with torch.no_grad():
+        assert not torch.equal(task._logits(x2)[0], task._logits(x2)[0])
+    smp_task = _task(head_layout="smp")
+    assert not any(isinstance(n, torch.nn.Identity) for n in smp_task.model.decoder.feature_norms)
+    assert smp_task.model.segmentation_head[1].align_corners
+
+
+def test_loss_is_averaged_over_all_pixels_as_mmseg_or_over_labelled_ones() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 4, 5)
+    mask = torch.randint(0, 3, (2, 4, 5))
+    mask[0, :, 2:] = 255  # a padded crop
+    per_pixel = F.cross_entropy(logits, mask, ignore_index=255, reduction="none")
+    valid = mask != 255
+    torch.testing.assert_close(_task().seg_loss(logits, mask), per_pixel[valid].sum() / mask.numel())
+    torch.testing.assert_close(_task(loss_average="valid").seg_loss(logits, mask), per_pixel[valid].mean())
+    with pytest.raises(ValueError, match="model.loss_average: unknown 'pixels'; choose one of all, valid"):
+        _task(loss_average="pixels")
+    with pytest.raises(ValueError, match="model.head_layout: unknown layout 'timm'; choose one of mmseg, smp"):
+        _task(head_layout="timm")
+
+
+def test_checkpoint_without_the_layout_options_loads_as_it_was_trained(tmp_path: Path) -> None:
+    """A checkpoint written before ``head_layout`` / ``loss_average`` holds SMP's own model, trained
+    with the valid-pixel average: it loads into that model, with the same outputs."""
+    torch.manual_seed(0)
+    old = _task(head_layout="smp", loss_average="valid").eval()
+    hparams = {k: v for k, v in old.hparams.items() if k not in ("head_layout", "loss_average")}
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": old.state_dict(), "hyper_parameters": hparams,
+                "pytorch-lightning_version": L.__version__}, path)
+    loaded = SegmentationTask.load_from_checkpoint(path).eval()
+    assert loaded.hparams.head_layout == "smp" and loaded.hparams.loss_average == "valid"
+    x = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), old(x))
+    new = _task().eval()  # a checkpoint that names its layout keeps it
+    path = tmp_path / "new.ckpt"
+    torch.save({"state_dict": new.state_dict(), "hyper_parameters": dict(new.hparams),
+                "pytorch-lightning_version": L.__version__}, path)
+    again = SegmentationTask.load_from_checkpoint(path).eval()
+    assert again.hparams.head_layout == "mmseg" and again.hparams.loss_average == "all"
+    with torch.no_grad():
+        torch.testing.assert_close(again(x), new(x))

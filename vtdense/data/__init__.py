@@ -3,6 +3,7 @@
 from vtdense.data.ade20k import ADE20KDataModule, SegmentationFolder, seg_collate
 from vtdense.data.coco import COCODataModule, COCODatasetError, COCODetection, collate_detection
 from vtdense.data.errors import BadSampleError, write_skip_report
+from vtdense.data.photometric import PhotoMetricDistortion
 from vtdense.data.samplers import (
     EpochRandomSampler,
     GroupedBatchSampler,
@@ -28,6 +29,7 @@ __all__ = [
     "COCODetection",
     "EpochRandomSampler",
     "GroupedBatchSampler",
+    "PhotoMetricDistortion",
     "ResumableDataLoader",
     "SampleKey",
     "SeededDataset",

@@ -3,7 +3,8 @@
 Training follows mmseg's ADE20K pipeline: random rescale (ratio 0.5-2.0 of a 2048x512 scale,
 keeping the aspect ratio), random crop with a category-ratio cap (``cat_max_ratio``: retry
 up to 10 crops while one class covers more than 75% of the labelled pixels), horizontal flip,
-photometric jitter, padding to the crop size. Evaluation resizes the image to the scale
+mmseg's photometric distortion (:class:`~vtdense.data.photometric.PhotoMetricDistortion`), padding
+to the crop size. Evaluation resizes the image to the scale
 (keeping the ratio) and keeps the label map at its original size; the task resizes its
 prediction back. Images come out as float tensors in ``[0, 1]`` (the task normalises, and
 gives everything beyond a sample's ``image_size`` the mean colour, 0 after normalisation, as
@@ -36,6 +37,7 @@ from torchvision.transforms import v2
 
 from vtdense.data.errors import BadSampleError, SkipOnBadSample
 from vtdense.data.images import decode_image
+from vtdense.data.photometric import PhotoMetricDistortion
 from vtdense.data.samplers import make_train_loader
 from vtdense.data.synthetic_seg import generate_synthetic_segmentation
 from vtdense.distributed import destroy_process_group_at_exit
@@ -205,7 +207,8 @@ def _rescale_size(h: int, w: int, scale: Sequence[int]) -> tuple[int, int]:
 
 
 def _resize(image: Tensor, mask: Tensor | None, size: tuple[int, int]) -> tuple[Tensor, Tensor | None]:
-    image = v2.functional.resize(image, list(size), antialias=True)
+    """Bilinear image (no antialiasing: mmcv's ``imrescale``, OpenCV's ``INTER_LINEAR``), nearest mask."""
+    image = v2.functional.resize(image, list(size), antialias=False)
     if mask is not None:
         mask = v2.functional.resize(mask[None], list(size), interpolation=v2.InterpolationMode.NEAREST)[0]
     return image, mask
@@ -221,7 +224,9 @@ class SegTrainTransform:
         cat_max_ratio: retry the crop (up to 10 times) while one class covers more than this
             fraction of the labelled pixels; ``1.0`` disables.
         flip_prob: horizontal flip probability.
-        photometric: apply brightness / contrast / saturation / hue jitter.
+        photometric: apply mmseg's ``PhotoMetricDistortion`` with its defaults
+            (:class:`~vtdense.data.photometric.PhotoMetricDistortion`: brightness, contrast,
+            saturation and hue steps, each with probability 1/2, drawn from ``np.random``).
         ignore_index: label of padded pixels.
     """
 
@@ -241,11 +246,7 @@ class SegTrainTransform:
         self.cat_max_ratio = cat_max_ratio
         self.flip_prob = flip_prob
         self.ignore_index = ignore_index
-        self.jitter = (
-            v2.RandomApply([v2.ColorJitter(brightness=0.25, contrast=0.5, saturation=0.5, hue=0.05)], p=0.8)
-            if photometric
-            else None
-        )
+        self.jitter = PhotoMetricDistortion() if photometric else None
 
     def crop_box(self, mask: Tensor) -> tuple[int, int, int, int]:
         """Top, left, height, width of a random crop honouring ``cat_max_ratio``."""
@@ -270,7 +271,7 @@ class SegTrainTransform:
     def __call__(self, image: Tensor, mask: Tensor) -> dict[str, Any]:
         """Augment one sample; returns ``{"image": float CHW in [0, 1], "mask": int64 HW}`` at ``crop_size``."""
         ratio = random.uniform(*self.ratio_range)
-        target = [s * ratio for s in self.scale]
+        target = [int(s * ratio) for s in self.scale]  # mmseg truncates the scaled (long, short) first
         image, mask = _resize(image, mask, _rescale_size(image.shape[1], image.shape[2], target))
         t, l, bh, bw = self.crop_box(mask)
         image, mask = image[:, t : t + bh, l : l + bw], mask[t : t + bh, l : l + bw]
@@ -371,7 +372,7 @@ class ADE20KDataModule(L.LightningDataModule):
         crop_size: training crop (h, w).
         cat_max_ratio: crop category-ratio cap (``1.0`` disables).
         flip_prob: horizontal flip probability.
-        photometric: photometric jitter on/off.
+        photometric: mmseg's photometric distortion on/off (see :class:`SegTrainTransform`).
         eval_scale: evaluation rescale target (long, short); ``None`` means ``scale``.
         train_split / val_split: split folder names.
         img_dir / ann_dir: folder templates relative to ``root`` (``{split}`` substituted).

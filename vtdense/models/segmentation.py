@@ -31,6 +31,7 @@ from typing import Any
 import segmentation_models_pytorch as smp
 from segmentation_models_pytorch.encoders import encoders as _SMP_ENCODERS
 from segmentation_models_pytorch.encoders._base import EncoderMixin
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vtdense.backbones.registry import create_backbone, list_backbones
@@ -43,6 +44,9 @@ __all__ = [
     "encoder_options",
     "register_smp_encoders",
     "build_segmentor",
+    "HEAD_LAYOUTS",
+    "DropoutConv2d",
+    "apply_mmseg_layout",
 ]
 
 #: Prefix of the SMP encoder names of vtdense backbones.
@@ -367,6 +371,79 @@ def build_segmentor(
             classes=num_classes,
             **arch_kwargs,
         )
+    return model
+
+
+#: Layouts of an SMP model's head (:func:`apply_mmseg_layout`): ``"mmseg"`` (the references') or
+#: ``"smp"`` (SMP's model as it builds it).
+HEAD_LAYOUTS: tuple[str, ...] = ("mmseg", "smp")
+
+
+class DropoutConv2d(nn.Conv2d):
+    """A ``Conv2d`` that applies ``Dropout2d(p)`` to its input first: mmseg's dropout before
+    ``conv_seg``, kept under the conv's own parameter names. ``(N, C_in, H, W) -> (N, C_out, H, W)``."""
+
+    def __init__(self, conv: nn.Conv2d, p: float = 0.1) -> None:
+        super().__init__(conv.in_channels, conv.out_channels, conv.kernel_size, stride=conv.stride,
+                         padding=conv.padding, dilation=conv.dilation, groups=conv.groups, bias=conv.bias is not None,
+                         device=conv.weight.device, dtype=conv.weight.dtype)
+        self.load_state_dict(conv.state_dict())
+        self.p = float(p)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(F.dropout2d(x, self.p, self.training))
+
+
+def _mmcv_init(module: nn.Module, classifiers: tuple[nn.Module, ...]) -> None:
+    """mmcv's initialisation of mmseg's decode heads: each conv kaiming-normal (fan-out, ReLU) with
+    zero bias, each norm 1 / 0, and the classifiers (``conv_seg``) normal with std 0.01, zero bias."""
+    for m in module.modules():
+        if isinstance(m, nn.Conv2d):
+            if any(m is c for c in classifiers):
+                nn.init.normal_(m.weight, 0.0, 0.01)
+            else:
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, (nn.BatchNorm2d, nn.GroupNorm, nn.LayerNorm)) and m.weight is not None:
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+def apply_mmseg_layout(model: nn.Module, aux_head: nn.Module | None = None, dropout: float = 0.1) -> nn.Module:
+    """Make an SMP model built by :func:`build_segmentor` (and its auxiliary head) what mmseg builds.
+
+    - The decoder reads the backbone's outputs as they are: SMP's UPerNet puts a second LayerNorm
+      on every encoder feature (``decoder.feature_norms``), after the backbone's own output norm;
+      those become identities when the backbone has output norms (mmseg's Swin has one norm per
+      output, which feeds the head).
+    - ``Dropout2d(dropout)`` before the classifier (mmseg's ``dropout_ratio=0.1``).
+    - The logits are upsampled to the input bilinearly with ``align_corners=False``, as mmseg
+      resizes them (SMP's head uses ``align_corners=True``).
+    - mmcv's initialisation of the decoder, the classifier and ``aux_head``'s layers.
+
+    Args:
+        model: an SMP model with ``encoder``, ``decoder`` and ``segmentation_head``; changed in place.
+        aux_head: the auxiliary head (:class:`FCNHead`), initialised the same way; ``None``: none.
+        dropout: dropout before the classifier.
+
+    Returns:
+        ``model``.
+    """
+    norms = getattr(model.decoder, "feature_norms", None)
+    backbone = getattr(model.encoder, "backbone", None)
+    if norms is not None and getattr(backbone, "out_norms", None) is not None:
+        for i in range(len(norms)):
+            norms[i] = nn.Identity()
+    head = model.segmentation_head
+    head[0] = DropoutConv2d(head[0], dropout)
+    if isinstance(head[1], nn.Upsample):
+        head[1] = nn.Upsample(scale_factor=head[1].scale_factor, mode="bilinear", align_corners=False)
+    _mmcv_init(model.decoder, ())
+    _mmcv_init(head, (head[0],))
+    if aux_head is not None:
+        convs = [m for m in aux_head.modules() if isinstance(m, nn.Conv2d)]
+        _mmcv_init(aux_head, (convs[-1],))
     return model
 
 

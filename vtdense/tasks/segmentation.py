@@ -26,13 +26,18 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
 
 from vtdense.models.compile import check_compile_option
-from vtdense.models.segmentation import ARCHITECTURES, FCNHead, build_segmentor
+from vtdense.models.segmentation import ARCHITECTURES, HEAD_LAYOUTS, FCNHead, apply_mmseg_layout, build_segmentor
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import adamw, apply_layer_decay, check_no_decay, layer_ids, param_groups, warmup_schedule
 
 __all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table", "resize_logits"]
 
 _BACKBONE_PREFIX = "model.encoder.backbone."
+#: How the cross-entropy is averaged: over every pixel of the batch, ignored ones included
+#: (``"all"``: mmseg's ``CrossEntropyLoss`` with its default ``avg_non_ignore=False``), or over the
+#: labelled pixels only (``"valid"``: ``torch.nn.CrossEntropyLoss``'s mean).
+LOSS_AVERAGES: tuple[str, ...] = ("all", "valid")
+
 #: decoders with a global-pooling branch followed by BatchNorm: they cannot train on one image per batch.
 _POOLED_BN_ARCHS = frozenset({"upernet", "pspnet", "deeplabv3", "deeplabv3plus"})
 
@@ -117,6 +122,15 @@ class SegmentationTask(BaseTask):
             (default; bf16 and fp16), ``true`` (float32 too) or ``false`` (SDPA's memory-efficient
             kernel). Process-wide (:func:`vtdense.layers.triton_window_attention.set_triton_window_attention`),
             set when the trainer builds the model.
+        head_layout: ``"mmseg"`` (default): the decoder and heads as mmseg builds them
+            (:func:`vtdense.models.segmentation.apply_mmseg_layout`: no second norm on the backbone's
+            outputs, dropout 0.1 before the classifier, logits upsampled with
+            ``align_corners=False``, mmcv's initialisation); ``"smp"``: SMP's model as it is.
+            Checkpoints written before this option load as ``"smp"``.
+        loss_average: ``"all"`` (default, mmseg's): the cross-entropy summed over the labelled
+            pixels and divided by all the batch's pixels, padding and ignored ones included, so a
+            mostly padded crop weighs by its labelled pixels; ``"valid"``: divided by the labelled
+            pixels (``torch.nn.CrossEntropyLoss``). Checkpoints written before this option load as ``"valid"``.
     """
 
     monitor = "val/mIoU"
@@ -158,8 +172,14 @@ class SegmentationTask(BaseTask):
         activation_recompute: bool = True,
         activation_recompute_min_bytes: int | None = None,
         triton_attention: bool | str = "auto",
+        head_layout: str = "mmseg",
+        loss_average: str = "all",
     ) -> None:
         super().__init__()
+        if head_layout not in HEAD_LAYOUTS:
+            raise ValueError(f"model.head_layout: unknown layout {head_layout!r}; choose one of {', '.join(HEAD_LAYOUTS)}")
+        if loss_average not in LOSS_AVERAGES:
+            raise ValueError(f"model.loss_average: unknown {loss_average!r}; choose one of {', '.join(LOSS_AVERAGES)}")
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         self.check_recompute_option(activation_recompute_min_bytes)
         self.check_triton_attention_option(triton_attention)
@@ -223,10 +243,20 @@ class SegmentationTask(BaseTask):
         self.aux_head = (
             FCNHead(self.model.encoder.out_channels[4], h.num_classes, h.aux_channels) if h.aux_weight > 0 else None
         )
+        if h.get("head_layout", "mmseg") == "mmseg":
+            apply_mmseg_layout(self.model, self.aux_head)
 
     def configure_losses(self) -> None:
-        """Cross-entropy with the ignore label."""
+        """Cross-entropy with the ignore label, averaged as ``loss_average`` says."""
         self.criterion = nn.CrossEntropyLoss(ignore_index=self.hparams.ignore_index)
+
+    def seg_loss(self, logits: Tensor, mask: Tensor) -> Tensor:
+        """Cross-entropy of logits ``(N, C, H, W)`` against labels ``(N, H, W)`` (``ignore_index``
+        excluded), averaged by ``loss_average``."""
+        if self.hparams.get("loss_average", "all") == "valid":
+            return self.criterion(logits, mask)
+        total = F.cross_entropy(logits, mask, ignore_index=self.hparams.ignore_index, reduction="sum")
+        return total / max(1, mask.numel())
 
     def configure_metrics(self) -> None:
         """mIoU (macro JaccardIndex), per-class IoU and pixel accuracy, all ignoring ``ignore_index``."""
@@ -318,12 +348,12 @@ class SegmentationTask(BaseTask):
         if "image_size" in batch:
             image = self.fill_padding(image, batch["image_size"])
         logits, aux = self._logits(self.normalize(image), with_aux=True)
-        loss_main = self.criterion(logits, mask)
+        loss_main = self.seg_loss(logits, mask)
         loss = loss_main
         n = image.shape[0]
         logs = {"train/loss_seg": loss_main}
         if aux is not None:
-            loss_aux = self.criterion(aux, mask)
+            loss_aux = self.seg_loss(aux, mask)
             loss = loss + self.hparams.aux_weight * loss_aux
             logs["train/loss_aux"] = loss_aux
         if self.nonfinite_step(logs, list(batch.get("files") or [f"batch {batch_idx}, image {i}" for i in range(n)])):
@@ -474,8 +504,23 @@ class SegmentationTask(BaseTask):
             checkpoint["palette"] = self.palette.tolist()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Restore the class names and the palette saved by :meth:`on_save_checkpoint`."""
+        """Restore the class names and the palette saved by :meth:`on_save_checkpoint`.
+
+        A checkpoint written before ``head_layout`` / ``loss_average`` existed holds SMP's own
+        model and was trained with the valid-pixel average: the task takes those settings again
+        (rebuilding its model if it was built otherwise), so the weights load and a resumed run
+        goes on as it started.
+        """
         super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get("hyper_parameters", {})
+        if "loss_average" not in saved:
+            self.hparams["loss_average"] = "valid"
+        if "head_layout" not in saved and self.hparams.get("head_layout") != "smp":
+            self.hparams["head_layout"] = "smp"
+            if self.model is not None:
+                self.build()
+                if self._trainer is not None:
+                    self.configure_model()  # shard / compile the rebuilt model as the trainer's hook did
         n = self.hparams.num_classes
         names = checkpoint.get("class_names")
         if names is not None and n is not None and len(names) == int(n):
