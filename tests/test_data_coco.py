@@ -516,3 +516,29 @@ def test_constructor_arguments_are_cli_options(coco_root: Path) -> None:
     dm = COCODataModule(**cfg.data.as_dict())
     assert dm.train_scales == (96, 128) and dm.batch_size == 3 and dm.num_classes == 3
     assert dm.hparams["root"] == str(coco_root)
+
+
+def test_training_leaves_out_images_with_nothing_to_train_on(coco_root: Path, load_ann: Callable[..., dict],
+                                                             write_ann: Callable[..., Path],
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """As detectron2's ``filter_empty`` and mmdetection's ``filter_empty_gt``: the datamodule's
+    training split drops images with no annotation left to train on (none, or only crowds);
+    validation keeps every image; the default (``filter_empty=False``) keeps them; one log line counts them."""
+    ann = load_ann("train2017")
+    usable = {a["image_id"] for a in ann["annotations"] if not a.get("iscrowd")}
+    empty = {img["id"] for img in ann["images"]} - usable  # no annotation, or only crowds
+    with caplog.at_level(logging.INFO, logger="vtdense.data.coco"):
+        dm = COCODataModule(root=str(coco_root), batch_size=2, train_scales=(96,), max_size=128, test_scale=96,
+                            filter_empty=True)
+        dm.setup("fit")
+    assert sorted(dm.train_dataset.ids) == sorted(usable) and len(empty) > 0
+    assert dm.train_dataset.num_empty_filtered == len(empty)
+    assert len(dm.val_dataset) == len(load_ann("val2017")["images"])
+    assert any(f"training on {len(usable)} of {len(ann['images'])} images" in r.getMessage() for r in caplog.records)
+    keep = COCODataModule(root=str(coco_root), batch_size=2, train_scales=(96,), max_size=128)  # the default keeps them
+    keep.setup("fit")
+    assert len(keep.train_dataset) == len(ann["images"])
+    ann["annotations"] = [dict(a, iscrowd=1) for a in ann["annotations"]]  # nothing left to train on
+    path = write_ann(ann, "all_crowd.json")
+    with pytest.raises(COCODatasetError, match=r"all_crowd.json: no training image has an annotation to train on"):
+        COCODetection(coco_root / "train2017", path, None, True, filter_empty=True)

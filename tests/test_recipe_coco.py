@@ -136,6 +136,7 @@ def test_print_config(recipe: ModuleType, config: str | None, capsys: pytest.Cap
         assert f"drop_path_rate: {0.1 if config == 'coco_swin_t_maskrcnn_1x.yaml' else 0.2}" in printed and "embed_dim" not in printed
         assert "precision: bf16-mixed" in printed and "root: /data/coco" in printed
         assert "anchor_sizes: null" in printed and "max_size: 1333" in printed
+        assert "filter_empty: true" in printed  # detectron2's / mmdet's training split: annotated images only
     if config == "coco_swin_t_maskrcnn_1x.yaml":
         assert "max_epochs: 12" in printed and "- 8.0\n  - 11.0" in printed
         assert "box_head_width: 1024" in printed and "mask_head_channels: 256" in printed

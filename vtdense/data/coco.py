@@ -185,6 +185,9 @@ class COCODetection(SkipOnBadSample, Dataset):
             ``None`` always decodes at full size.
         on_bad_sample: ``"skip"`` (substitute the next loadable image, warn and record) or
             ``"error"`` (raise :class:`COCOImageError`).
+        filter_empty: Training splits only: leave out images with no annotation left to train on
+            (none in the file, or only crowd or dropped ones), as detectron2's
+            ``filter_empty=True`` and mmdetection's ``filter_empty_gt=True`` do.
 
     Attributes:
         coco: The pycocotools :class:`~pycocotools.coco.COCO` object of the (unfiltered) file.
@@ -212,6 +215,7 @@ class COCODetection(SkipOnBadSample, Dataset):
         min_box_size: float = 1.0,
         max_decode_side: int | None = DEFAULT_MAX_DECODE_SIDE,
         on_bad_sample: str = "skip",
+        filter_empty: bool = False,
     ) -> None:
         self._init_skipping(on_bad_sample)
         if max_decode_side is not None and max_decode_side < 1:
@@ -283,6 +287,22 @@ class COCODetection(SkipOnBadSample, Dataset):
             )
         if num_crowd:
             logger.debug("%s: removed %d crowd annotations from the training split", self.ann_file, num_crowd)
+        self.num_empty_filtered = 0
+        if train and filter_empty:
+            kept_ids = [i for i in self.ids if self._anns[i]]
+            self.num_empty_filtered = len(self.ids) - len(kept_ids)
+            if not kept_ids:
+                raise COCODatasetError(
+                    f"{self.ann_file}: no training image has an annotation to train on (all {len(self.ids)} are "
+                    "empty, crowd-only or lost their annotations as degenerate); filter_empty=False keeps them"
+                )
+            if self.num_empty_filtered:
+                logger.info(
+                    "%s: training on %d of %d images; %d have no annotation to train on (as detectron2 and "
+                    "mmdetection, filter_empty=False keeps them)",
+                    self.ann_file, len(kept_ids), len(self.ids), self.num_empty_filtered,
+                )
+            self.ids = kept_ids
         self._check_files()
         with contextlib.redirect_stdout(io.StringIO()):  # pycocotools prints progress
             self.coco = COCO()
@@ -548,6 +568,9 @@ class COCODataModule(L.LightningDataModule):
         crop_size_range: ``multiscale_crop``: ``(low, high)`` of the crop's height and width.
         lsj_size: Output side of large-scale jitter.
         lsj_scale_range: Scale range of large-scale jitter.
+        filter_empty: Leave training images with no annotation to train on (none, or only crowds)
+            out of the training split, as detectron2 and mmdetection do by default (on in the
+            published configs); evaluation splits keep every image.
         group_by_aspect_ratio: Training batches hold only portrait or only landscape images
             (sizes read from the annotation file); under DDP each rank gets whole batches.
         min_box_size: Annotations with a box side at most this many pixels are dropped.
@@ -586,6 +609,7 @@ class COCODataModule(L.LightningDataModule):
         lsj_size: int = 1024,
         lsj_scale_range: tuple[float, float] = (0.1, 2.0),
         group_by_aspect_ratio: bool = False,
+        filter_empty: bool = False,
         min_box_size: float = 1.0,
         synthetic_if_missing: bool = True,
         cache_dir: str | None = None,
@@ -621,6 +645,7 @@ class COCODataModule(L.LightningDataModule):
         self.lsj_size = lsj_size
         self.lsj_scale_range = tuple(float(v) for v in lsj_scale_range)
         self.group_by_aspect_ratio = bool(group_by_aspect_ratio)
+        self.filter_empty = bool(filter_empty)
         self.min_box_size = min_box_size
         self.synthetic_if_missing = synthetic_if_missing
         self.cache_dir = cache_dir
@@ -745,7 +770,8 @@ class COCODataModule(L.LightningDataModule):
         else:
             transforms = detection_eval_transforms(self.test_scale, self.max_size)
         ds = COCODetection(img, ann, transforms, train=train, min_box_size=self.min_box_size,
-                           max_decode_side=max(DEFAULT_MAX_DECODE_SIDE, int(self.max_size)))
+                           max_decode_side=max(DEFAULT_MAX_DECODE_SIDE, int(self.max_size)),
+                           filter_empty=train and self.filter_empty)
         if self._categories is None:
             self._categories, self._categories_source = ds.categories, ann
         ref_ids = [c["id"] for c in self._categories]
