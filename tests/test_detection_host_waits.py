@@ -32,7 +32,8 @@ import host_syncs  # noqa: E402
 
 def _pair(head: str = "mask_rcnn") -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
-    ours = tiny_detector(head)
+    # torchvision's own heads use smooth L1 (beta 1/9) and per-image RetinaNet normalisation
+    ours = tiny_detector(head, box_loss_beta=1 / 9, retinanet_loss_norm="image")
     theirs = restore_torchvision_heads(copy.deepcopy(ours))
     return ours, theirs
 

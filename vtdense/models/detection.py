@@ -37,12 +37,14 @@ from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.models.mask_rois import check_mask_rois_multiple, pad_mask_rois
 from vtdense.models.paste_masks import paste_masks
 from vtdense.models.rcnn_waits import device_constant, reduce_host_waits
+from vtdense.models.retinanet_waits import LOSS_NORMALIZATIONS
 
 __all__ = [
     "HEADS",
     "IMAGENET_MEAN",
     "IMAGENET_STD",
     "NoResizeTransform",
+    "P6P7",
     "BackboneWithFPN",
     "BoxHead",
     "BoxPredictor",
@@ -123,6 +125,20 @@ class NoResizeTransform(GeneralizedRCNNTransform):
         )
 
 
+class P6P7(LastLevelP6P7):
+    """torchvision's ``LastLevelP6P7`` (same convs and state-dict keys) whose ReLU between P6 and P7
+    can be left out: ``relu_before_p7=False`` is mmdet's RetinaNet FPN (``relu_before_extra_convs
+    =False``: ``P7 = conv(P6)``), ``True`` torchvision's and detectron2's (``P7 = conv(relu(P6))``)."""
+
+    relu_before_p7: bool = True
+
+    def forward(self, p: list[Tensor], c: list[Tensor], names: list[str]) -> tuple[list[Tensor], list[str]]:
+        source = p[-1] if self.use_P5 else c[-1]
+        p6 = self.p6(source)
+        p7 = self.p7(F.relu(p6) if self.relu_before_p7 else p6)
+        return [*p, p6, p7], [*names, "p6", "p7"]
+
+
 class BackboneWithFPN(nn.Module):
     """A vtdense backbone followed by a torchvision FPN.
 
@@ -146,6 +162,7 @@ class BackboneWithFPN(nn.Module):
         min_stride: int = 4,
         extra: str | None = "maxpool",
         p6p7_from: str = "p5",
+        p7_relu: bool = True,
     ) -> None:
         """Build the FPN from ``backbone.out_channels`` / ``out_strides``.
 
@@ -155,6 +172,8 @@ class BackboneWithFPN(nn.Module):
             min_stride: backbone outputs with a smaller stride are not used (8 for RetinaNet/FCOS).
             extra: ``"maxpool"`` (P6 by max-pooling P5), ``"p6p7"`` (two stride-2 convs) or ``None``.
             p6p7_from: ``"p5"`` or ``"c5"``: the input of P6 when ``extra="p6p7"``.
+            p7_relu: ``extra="p6p7"``: a ReLU between P6 and P7 (torchvision, detectron2); mmdet's
+                RetinaNet has none.
 
         Raises:
             ValueError: the backbone lacks the contract attributes, has non power-of-two strides,
@@ -193,7 +212,8 @@ class BackboneWithFPN(nn.Module):
             if p6p7_from not in ("p5", "c5"):
                 raise ValueError(f"unknown p6p7_from {p6p7_from!r}; choose 'p5' or 'c5'")
             src_channels = out_channels if p6p7_from == "p5" else in_channels[-1]
-            extra_block = LastLevelP6P7(src_channels, out_channels)
+            extra_block = P6P7(src_channels, out_channels)
+            extra_block.relu_before_p7 = bool(p7_relu)
             # torchvision picks the source from the channel counts; make the choice explicit.
             extra_block.use_P5 = p6p7_from == "p5"
             last = int(math.log2(in_strides[-1]))
@@ -210,6 +230,7 @@ class BackboneWithFPN(nn.Module):
         self.level_names = [self._rename[n] for n in self.in_names] + extra_names
         self.level_strides = in_strides + extra_strides
         self.size_divisibility = int(getattr(backbone, "size_divisibility", 32))
+        self._register_load_state_dict_pre_hook(_drop_unemitted_out_norms, with_module=True)
 
     @property
     def fpn_level_names(self) -> list[str]:
@@ -224,6 +245,17 @@ class BackboneWithFPN(nn.Module):
             raise KeyError(f"backbone output lacks {missing}; it returned {list(feats)}")
         inputs = OrderedDict((self._rename[n], feats[n]) for n in self.in_names)
         return self.fpn(inputs)
+
+
+def _drop_unemitted_out_norms(module: BackboneWithFPN, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    """Load-time hook: drop the checkpoint's output norms of backbone outputs this backbone does not
+    emit. Detectors saved before their backbones were built without the outputs the FPN skips
+    (RetinaNet and FCOS carried an unused stride-4 norm) then load into the current ones."""
+    emitted = set(getattr(module.body, "out_names", ()))
+    start = prefix + "body.out_norms."
+    for key in [k for k in state_dict if k.startswith(start)]:
+        if key[len(start):].split(".", 1)[0] not in emitted:
+            del state_dict[key]
 
 
 def _cast_float(obj: Any) -> Any:
@@ -248,8 +280,16 @@ def _keep_fp32(*modules: nn.Module | None) -> None:
 
 
 class Float32AnchorGenerator(AnchorGenerator):
-    """torchvision's ``AnchorGenerator`` that always builds float32 anchors, and keeps the anchors of
-    its last few sizes.
+    """torchvision's ``AnchorGenerator`` that always builds float32 anchors, places them at fixed
+    level strides, and keeps the anchors of its last few sizes.
+
+    ``strides`` (one per level, as mmdet's and detectron2's anchor generators take them): the anchors
+    of level ``l`` are centred at ``(k * strides[l], j * strides[l])`` for every cell ``(j, k)`` of its
+    map. torchvision derives each stride as ``padded size // map size``, which is not the level's
+    stride where the map's size was rounded up: a 1088-wide batch has a 17-cell P6 map (stride 64),
+    and ``1088 // 17`` is 64, but an 800-high one has a 13-cell P6 map and ``800 // 13 = 61``, so its
+    last row of anchors sits at 732 instead of 768 (P7 of RetinaNet: ``800 // 7 = 114``, 684 instead
+    of 768). ``None``: torchvision's derived strides.
 
     torchvision takes the anchors' dtype from the feature maps, so under bf16 autocast the anchors
     (and every box decoded from them) would be bfloat16: 8 bits of mantissa, a box edge near 800 px
@@ -265,6 +305,36 @@ class Float32AnchorGenerator(AnchorGenerator):
     #: how many sizes' anchors are kept (about 4 MB each for an 800x1333 batch on P2-P6)
     cache_size: int = 8
 
+    def __init__(self, sizes: Any = ((128, 256, 512),), aspect_ratios: Any = ((0.5, 1.0, 2.0),),
+                 strides: Sequence[int] | None = None) -> None:
+        super().__init__(sizes, aspect_ratios)
+        if strides is not None:
+            strides = tuple(int(s) for s in strides)
+            if len(strides) != len(self.sizes) or any(s < 1 for s in strides):
+                raise ValueError(f"strides {list(strides)}: give one positive stride per level ({len(self.sizes)} levels)")
+        self.strides = strides
+
+    def _build_anchors(self, image_list: Any, maps: list[Tensor]) -> list[Tensor]:
+        """torchvision's anchors, at :attr:`strides` where they are set."""
+        if self.strides is None:
+            return super().forward(image_list, maps)
+        if len(maps) != len(self.strides):
+            raise ValueError(f"{len(maps)} feature maps but {len(self.strides)} anchor strides")
+        device = maps[0].device
+        self.set_cell_anchors(torch.float32, device)
+        per_level = []
+        for m, stride, cell in zip(maps, self.strides, self.cell_anchors):
+            h, w = m.shape[-2:]
+            # cell centres at multiples of the stride (Python numbers: no host-to-device copy), row-major
+            ys = torch.arange(h, dtype=torch.int32, device=device) * stride
+            xs = torch.arange(w, dtype=torch.int32, device=device) * stride
+            y, x = torch.meshgrid(ys, xs, indexing="ij")
+            x, y = x.reshape(-1), y.reshape(-1)
+            shifts = torch.stack((x, y, x, y), dim=1)
+            per_level.append((shifts[:, None, :] + cell[None, :, :]).reshape(-1, 4))
+        anchors = torch.cat(per_level)
+        return [anchors for _ in image_list.image_sizes]
+
     def forward(self, image_list: Any, feature_maps: list[Tensor]) -> list[Tensor]:
         """Anchors per image, ``[sum_l(A * H_l * W_l), 4]`` float32 XYXY in input-image coordinates."""
         device = feature_maps[0].device
@@ -276,7 +346,7 @@ class Float32AnchorGenerator(AnchorGenerator):
             cache.move_to_end(key)
             return [cache[key]] * len(image_list.image_sizes)
         shapes = [f.new_empty((0, 0, *f.shape[-2:]), dtype=torch.float32) for f in feature_maps]
-        anchors = super().forward(image_list, shapes)
+        anchors = self._build_anchors(image_list, shapes)
         if cached and anchors:
             cache[key] = anchors[0]
             while len(cache) > self.cache_size:
@@ -325,29 +395,50 @@ class BoxPredictor(FastRCNNPredictor):
         return apply_linear(self.cls_score, x), apply_linear(self.bbox_pred, x)
 
 
+def _init_box_head(head: BoxHead, predictor: BoxPredictor) -> None:
+    """mmdet 2.x's initialisation of the two-FC box head (``Shared2FCBBoxHead``): the shared FCs
+    Xavier-uniform, the class scores normal with std 0.01, the box deltas normal with std 0.001,
+    all biases zero (detectron2's FastRCNNOutputLayers draws the same two normals; torchvision keeps
+    ``nn.Linear``'s default)."""
+    for fc in (head.fc6, head.fc7):
+        nn.init.xavier_uniform_(fc.weight)
+        nn.init.zeros_(fc.bias)
+    nn.init.normal_(predictor.cls_score.weight, std=0.01)
+    nn.init.normal_(predictor.bbox_pred.weight, std=0.001)
+    nn.init.zeros_(predictor.cls_score.bias)
+    nn.init.zeros_(predictor.bbox_pred.bias)
+
+
 def _rcnn(
     neck: BackboneWithFPN, num_classes: int, masks: bool, opts: dict[str, Any], head_kwargs: dict[str, Any]
 ) -> nn.Module:
     sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 8.0)
     anchor_gen = Float32AnchorGenerator(
-        sizes=tuple((s,) for s in sizes), aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes)
+        sizes=tuple((s,) for s in sizes), aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes),
+        strides=neck.level_strides,
     )
     roi_names = neck.fpn_level_names
-    box_pool = MultiScaleRoIAlign(featmap_names=roi_names, output_size=7, sampling_ratio=2)
+    # sampling_ratio 0: adaptive (ceil(RoI size / output size) samples per bin), as mmdet 2.x and detectron2
+    box_pool = MultiScaleRoIAlign(featmap_names=roi_names, output_size=7, sampling_ratio=0)
     width = _pick(opts["box_head_width"], "box_head_width", opts["slim"])
     c = neck.out_channels
+    box_head, box_predictor = BoxHead(c * 7 * 7, width), BoxPredictor(width, num_classes + 1)
+    _init_box_head(box_head, box_predictor)
     kwargs: dict[str, Any] = dict(
         rpn_anchor_generator=anchor_gen,
         box_roi_pool=box_pool,
-        box_head=BoxHead(c * 7 * 7, width),
-        box_predictor=BoxPredictor(width, num_classes + 1),
+        box_head=box_head,
+        box_predictor=box_predictor,
         box_batch_size_per_image=_pick(opts["rois_per_image"], "rois_per_image", opts["slim"]),
         box_detections_per_img=opts["detections_per_img"],
         box_score_thresh=opts["score_thresh"],
+        # proposals kept per image after the RPN's NMS in training: 1000 as mmdet and detectron2
+        # (torchvision's default 2000); 1000 in evaluation as all three
+        rpn_post_nms_top_n_train=1000,
     )
     if masks:
         mc = _pick(opts["mask_head_channels"], "mask_head_channels", opts["slim"])
-        kwargs["mask_roi_pool"] = MultiScaleRoIAlign(featmap_names=roi_names, output_size=14, sampling_ratio=2)
+        kwargs["mask_roi_pool"] = MultiScaleRoIAlign(featmap_names=roi_names, output_size=14, sampling_ratio=0)
         kwargs["mask_head"] = MaskRCNNHeads(c, [mc] * opts["mask_head_layers"], 1)
         kwargs["mask_predictor"] = MaskRCNNPredictor(mc, mc, num_classes + 1)
     kwargs.update(head_kwargs)
@@ -356,6 +447,8 @@ def _rcnn(
     model = cls(neck, num_classes=None, min_size=1, max_size=1, **kwargs)
     _keep_fp32(model.rpn.head, model.roi_heads.box_predictor, getattr(model.roi_heads, "mask_predictor", None))
     reduce_host_waits(model)
+    # the RPN's and the RoI box head's regression loss: L1 (beta 0) as mmdet and detectron2; torchvision 1/9
+    model.rpn.box_loss_beta = model.roi_heads.box_loss_beta = float(opts["box_loss_beta"])
     if masks:
         pad_mask_rois(model.roi_heads, opts["mask_rois_multiple"])
     return model
@@ -388,14 +481,20 @@ def _retinanet(
     anchor_gen = Float32AnchorGenerator(
         sizes=tuple((s, s * 2 ** (1 / 3), s * 2 ** (2 / 3)) for s in sizes),
         aspect_ratios=(tuple(opts["aspect_ratios"]),) * len(sizes),
+        strides=neck.level_strides,
     )
-    return reduce_host_waits(_dense(RetinaNet, anchor_gen, neck, num_classes, opts, head_kwargs))
+    model = reduce_host_waits(_dense(RetinaNet, anchor_gen, neck, num_classes, opts, head_kwargs))
+    # focal and box losses over the batch's foreground anchors (mmdet), not per image (torchvision)
+    model.head.classification_head.loss_normalization = opts["retinanet_loss_norm"]
+    model.head.regression_head.loss_normalization = opts["retinanet_loss_norm"]
+    return model
 
 
 def _fcos(neck: BackboneWithFPN, num_classes: int, opts: dict[str, Any], head_kwargs: dict[str, Any]) -> nn.Module:
     # FCOS derives its per-level regression ranges from the anchor size, which must be the stride.
     sizes = _anchor_sizes(neck.level_strides, opts["anchor_sizes"], 1.0)
-    anchor_gen = Float32AnchorGenerator(sizes=tuple((s,) for s in sizes), aspect_ratios=((1.0,),) * len(sizes))
+    anchor_gen = Float32AnchorGenerator(sizes=tuple((s,) for s in sizes), aspect_ratios=((1.0,),) * len(sizes),
+                                        strides=neck.level_strides)
     model = _dense(FCOS, anchor_gen, neck, num_classes, opts, head_kwargs)
     # torchvision's FCOS head norms with GroupNorm(32). At 32 FPN channels that is one channel per
     # group, which normalises P7's 1x1 map (images up to 128 px) to a constant, and fails in training
@@ -446,11 +545,17 @@ def build_detector(
     head_kwargs: dict[str, Any] | None = None,
     size_divisibility: int | None = None,
     mask_rois_multiple: int | None = 32,
+    box_loss_beta: float = 0.0,
+    retinanet_loss_norm: str = "batch",
 ) -> nn.Module:
     """Build a torchvision detector on a vtdense backbone with an FPN.
 
     Args:
         backbone: a :class:`Backbone` or a registered backbone name (see ``vtdense.list_backbones``).
+            A backbone built by name emits only the outputs the FPN reads (for RetinaNet and FCOS
+            ``out_indices`` from stride 8 on, as mmdet's ``out_indices=(1, 2, 3)``) unless
+            ``backbone_kwargs`` sets ``out_indices``: an output norm of an unread output would get
+            no gradient, which fails distributed training (DDP without ``find_unused_parameters``).
         head: one of :func:`list_heads`: ``mask_rcnn``, ``faster_rcnn``, ``retinanet``, ``fcos``.
         num_classes: number of object classes, background excluded; labels are ``1..num_classes``
             and torchvision heads get ``num_classes + 1`` outputs.
@@ -485,6 +590,11 @@ def build_detector(
             training, detections in inference) is zero-padded to a multiple of this and the padded
             rows dropped from its logits, so cuDNN sets up plans for a few batch sizes instead of
             one per count (:mod:`vtdense.models.mask_rois`). Same losses and masks. ``None``: off.
+        box_loss_beta: R-CNN heads: the smooth L1 beta of the RPN's and the RoI box head's
+            regression losses; 0 (the default) is L1, as mmdet and detectron2; torchvision uses 1/9.
+        retinanet_loss_norm: RetinaNet: ``"batch"`` (mmdet) divides the batch's summed focal and
+            box losses by its number of foreground anchors (each image counting at least 1);
+            ``"image"`` (torchvision) divides each image's by its own and averages over the images.
 
     Returns:
         The torchvision detector; ``model.backbone`` is a :class:`BackboneWithFPN` and
@@ -497,11 +607,13 @@ def build_detector(
         raise ValueError(f"unknown detection head {head!r}; choose one of {', '.join(list_heads())}")
     if not isinstance(num_classes, int) or num_classes < 1:
         raise ValueError(f"num_classes must be a positive int (background excluded), got {num_classes!r}")
+    if retinanet_loss_norm not in LOSS_NORMALIZATIONS:
+        raise ValueError(f"retinanet_loss_norm={retinanet_loss_norm!r}: choose one of {', '.join(LOSS_NORMALIZATIONS)}")
+    if isinstance(box_loss_beta, bool) or not isinstance(box_loss_beta, (int, float)) or not box_loss_beta >= 0:
+        raise ValueError(f"box_loss_beta must be a number >= 0 (0: L1), got {box_loss_beta!r}")
+    extra, min_stride, builder = HEADS[head]
     if isinstance(backbone, str):
-        from vtdense.backbones.registry import create_backbone
-
-        _import_backbones()
-        backbone = create_backbone(backbone, **(backbone_kwargs or {}))
+        backbone = _backbone_for_neck(backbone, dict(backbone_kwargs or {}), min_stride)
     elif backbone_kwargs:
         raise ValueError("backbone_kwargs only apply when backbone is given by name")
     if not isinstance(backbone, nn.Module):
@@ -516,9 +628,10 @@ def build_detector(
 
     if head == "fcos" and fpn_channels % 32:
         raise ValueError(f"fpn_channels={fpn_channels}: the fcos head uses GroupNorm(32), so it must be a multiple of 32")
-    extra, min_stride, builder = HEADS[head]
     source = p6p7_from if p6p7_from is not None else _P6P7_FROM.get(head, "p5")
-    neck = BackboneWithFPN(backbone, fpn_channels, min_stride=min_stride, extra=extra, p6p7_from=source)
+    # RetinaNet follows mmdet (P7 = conv(P6)), FCOS torchvision (P7 = conv(relu(P6)))
+    neck = BackboneWithFPN(backbone, fpn_channels, min_stride=min_stride, extra=extra, p6p7_from=source,
+                           p7_relu=head != "retinanet")
     opts = dict(
         slim=slim_heads,
         mask_head_channels=mask_head_channels,
@@ -530,11 +643,29 @@ def build_detector(
         detections_per_img=detections_per_img,
         score_thresh=score_thresh,
         mask_rois_multiple=mask_rois_multiple,
+        box_loss_beta=box_loss_beta,
+        retinanet_loss_norm=retinanet_loss_norm,
     )
     model = builder(neck, num_classes, opts, dict(head_kwargs or {}))
     pad = check_size_divisibility(size_divisibility, neck.size_divisibility)
     model.transform = NoResizeTransform(image_mean, image_std, size_divisible=pad)
     return model
+
+
+def _backbone_for_neck(name: str, kwargs: dict[str, Any], min_stride: int) -> nn.Module:
+    """``create_backbone(name, **kwargs)`` emitting only the outputs of stride ``>= min_stride`` (the
+    ones the FPN reads), unless ``kwargs`` chooses ``out_indices``."""
+    from vtdense.backbones.registry import create_backbone
+
+    _import_backbones()
+    backbone = create_backbone(name, **kwargs)
+    if "out_indices" in kwargs or not hasattr(backbone, "out_indices"):
+        return backbone
+    indices, strides = tuple(backbone.out_indices), list(backbone.out_strides)
+    used = tuple(i for i, s in zip(indices, strides) if s >= min_stride)
+    if used and used != indices:  # (the neck reports a backbone without any usable level)
+        backbone = create_backbone(name, **kwargs, out_indices=used)
+    return backbone
 
 
 def check_size_divisibility(value: Any, base: int) -> int:

@@ -39,8 +39,13 @@ wait 49 times (two of the rest are torchvision's check for degenerate target box
 count sees data-dependent ops and host reads, not blocking host-to-device copies, of which four per
 step are gone too (the box coder's two, the NMS offsets' two).
 
+The one intended difference: the box regression losses of the RPN and the RoI box head are smooth
+L1 with the head's ``box_loss_beta`` (:func:`~vtdense.models.detection.build_detector` sets 0, L1, as
+mmdet and detectron2; torchvision fixes 1/9, which a head without the attribute keeps).
+
 While a graph is built (``torch.compile``, ``torch.export``, ONNX, TorchScript) every method runs
-torchvision's own code. :func:`reduce_host_waits` installs these on a torchvision R-CNN in place;
+torchvision's own code, except that the losses keep ``box_loss_beta`` (so compiled and eager
+training agree). :func:`reduce_host_waits` installs these on a torchvision R-CNN in place;
 :func:`restore_torchvision_heads` puts torchvision's classes back.
 """
 
@@ -67,7 +72,10 @@ __all__ = [
     "CountingSampler",
     "LowWaitRPN",
     "LowWaitRoIHeads",
+    "TORCHVISION_BOX_LOSS_BETA",
     "WaitFreeMatcher",
+    "box_loss_beta",
+    "box_regression_loss",
     "reduce_host_waits",
     "restore_torchvision_heads",
 ]
@@ -180,18 +188,36 @@ def device_constant(owner: Any, name: str, dtype: torch.dtype, device: torch.dev
     return hit[1]
 
 
+#: torchvision's smooth L1 beta for the RPN and RoI box losses; vtdense's detectors use 0 (L1), as
+#: mmdet (``L1Loss``) and detectron2 (``smooth_l1_beta=0``) do. A head without a ``box_loss_beta``
+#: attribute uses torchvision's.
+TORCHVISION_BOX_LOSS_BETA: float = 1 / 9
+
+
+def box_loss_beta(head: object) -> float:
+    """The smooth L1 beta of ``head``'s box regression loss (0: L1); torchvision's when unset."""
+    return float(getattr(head, "box_loss_beta", TORCHVISION_BOX_LOSS_BETA))
+
+
+def box_regression_loss(deltas: Tensor, targets: Tensor, beta: float) -> Tensor:
+    """Summed smooth L1 of ``deltas - targets`` with ``beta`` (``beta == 0``: summed L1)."""
+    if beta == 0:
+        return torch.nn.functional.l1_loss(deltas, targets, reduction="sum")
+    return torch.nn.functional.smooth_l1_loss(deltas, targets, beta=beta, reduction="sum")
+
+
 def _fastrcnn_loss(class_logits: Tensor, box_regression: Tensor, labels: list[Tensor], regression_targets: list[Tensor],
-                   num_positive: int) -> tuple[Tensor, Tensor]:
-    """torchvision's Fast R-CNN losses (cross-entropy over the sampled RoIs; smooth L1, beta 1/9, of
-    the positives' deltas for their class, over the number of sampled RoIs), the positives found
-    from their count, known on the host, instead of a ``torch.where``."""
+                   num_positive: int | None, beta: float = TORCHVISION_BOX_LOSS_BETA) -> tuple[Tensor, Tensor]:
+    """torchvision's Fast R-CNN losses (cross-entropy over the sampled RoIs; smooth L1 with ``beta``,
+    of the positives' deltas for their class, over the number of sampled RoIs). The positives are
+    found from their count, known on the host (``num_positive``), instead of a ``torch.where``; with
+    ``None`` (while a graph is built) by ``torch.where``, as torchvision."""
     labels_all = torch.cat(labels)
     targets_all = torch.cat(regression_targets)
     classification = torch.nn.functional.cross_entropy(class_logits, labels_all)
-    pos = _nonzero(labels_all > 0, num_positive)
+    pos = torch.where(labels_all > 0)[0] if num_positive is None else _nonzero(labels_all > 0, num_positive)
     deltas = box_regression.reshape(class_logits.shape[0], box_regression.shape[-1] // 4, 4)
-    box_loss = torch.nn.functional.smooth_l1_loss(deltas[pos, labels_all[pos]], targets_all[pos], beta=1 / 9,
-                                                  reduction="sum")
+    box_loss = box_regression_loss(deltas[pos, labels_all[pos]], targets_all[pos], beta)
     return classification, box_loss / labels_all.numel()
 
 
@@ -231,16 +257,25 @@ class LowWaitRPN(RegionProposalNetwork):
 
     def compute_loss(self, objectness: Tensor, pred_bbox_deltas: Tensor, labels: list[Tensor],
                      regression_targets: list[Tensor]) -> tuple[Tensor, Tensor]:
-        if not _counting(self.fg_bg_sampler):
+        """Objectness cross-entropy over the sampled anchors and the positives' box loss (smooth L1
+        with :attr:`box_loss_beta`, 0: L1) over their number, as torchvision's (which fixes beta at
+        1/9). While a graph is built the sampled anchors are found as torchvision finds them."""
+        beta = box_loss_beta(self)
+        counting = _counting(self.fg_bg_sampler)
+        if not counting and beta == TORCHVISION_BOX_LOSS_BETA:
             return super().compute_loss(objectness, pred_bbox_deltas, labels, regression_targets)
-        pos_masks, neg_masks, num_pos, num_neg = self.fg_bg_sampler.sample(labels)
-        pos_inds = _nonzero(torch.cat(pos_masks), sum(num_pos))
-        neg_inds = _nonzero(torch.cat(neg_masks), sum(num_neg))
+        if counting:
+            pos_masks, neg_masks, num_pos, num_neg = self.fg_bg_sampler.sample(labels)
+            pos_inds = _nonzero(torch.cat(pos_masks), sum(num_pos))
+            neg_inds = _nonzero(torch.cat(neg_masks), sum(num_neg))
+        else:
+            pos_masks, neg_masks = self.fg_bg_sampler(labels)
+            pos_inds = torch.where(torch.cat(pos_masks))[0]
+            neg_inds = torch.where(torch.cat(neg_masks))[0]
         sampled = torch.cat([pos_inds, neg_inds])
         labels_all = torch.cat(labels)
         targets_all = torch.cat(regression_targets)
-        box_loss = torch.nn.functional.smooth_l1_loss(
-            pred_bbox_deltas[pos_inds], targets_all[pos_inds], beta=1 / 9, reduction="sum") / sampled.numel()
+        box_loss = box_regression_loss(pred_bbox_deltas[pos_inds], targets_all[pos_inds], beta) / sampled.numel()
         objectness_loss = torch.nn.functional.binary_cross_entropy_with_logits(objectness.flatten()[sampled], labels_all[sampled])
         return objectness_loss, box_loss
 
@@ -339,24 +374,33 @@ class LowWaitRoIHeads(RoIHeads):
                 targets: list[dict[str, Tensor]] | None = None) -> tuple[list[dict[str, Tensor]], dict[str, Tensor]]:
         """torchvision's forward; in training (boxes and masks, no keypoints) the positive RoIs of the
         box loss and of the mask branch are found from the sampler's counts, where torchvision waits
-        for a ``torch.where(labels > 0)`` once for the loss and once per image for the masks."""
-        if not self.training or tracing() or self.has_keypoint() or not _counting(self.fg_bg_sampler) or targets is None:
+        for a ``torch.where(labels > 0)`` once for the loss and once per image for the masks. The box
+        loss is smooth L1 with :attr:`box_loss_beta` (0: L1; torchvision's is 1/9), also while a graph
+        is built (then the positives are found by ``torch.where``, as torchvision finds them)."""
+        beta = box_loss_beta(self)
+        counting = _counting(self.fg_bg_sampler)
+        if not self.training or self.has_keypoint() or targets is None or (not counting and beta == TORCHVISION_BOX_LOSS_BETA):
             return super().forward(features, proposals, image_shapes, targets)
         for t in targets:  # torchvision's checks (dtypes: no wait)
             if t["boxes"].dtype not in (torch.float, torch.double, torch.half):
                 raise TypeError(f"target boxes must of float type, instead got {t['boxes'].dtype}")
             if t["labels"].dtype != torch.int64:
                 raise TypeError(f"target labels must of int64 type, instead got {t['labels'].dtype}")
-        self._sampled_positives = None
+        if counting:
+            self._sampled_positives = None
         proposals, matched_idxs, labels, regression_targets = self.select_training_samples(proposals, targets)
-        positives = self._sampled_positives
-        if positives is None:  # a subclass replaced subsample: its counts are unknown here
+        positives = self._sampled_positives if counting else None
+        if counting and positives is None:  # a subclass replaced subsample: its counts are unknown here
             raise RuntimeError("LowWaitRoIHeads.forward needs LowWaitRoIHeads.subsample to run (it counts the positives)")
         class_logits, box_regression = self.box_predictor(self.box_head(self.box_roi_pool(features, proposals, image_shapes)))
         losses = dict(zip(("loss_classifier", "loss_box_reg"),
-                          _fastrcnn_loss(class_logits, box_regression, labels, regression_targets, sum(positives))))
+                          _fastrcnn_loss(class_logits, box_regression, labels, regression_targets,
+                                         None if positives is None else sum(positives), beta)))
         if self.has_mask():
-            pos = [_nonzero(lab > 0, n) for lab, n in zip(labels, positives)]  # the sampled positives: labels >= 1
+            if positives is None:
+                pos = [torch.where(lab > 0)[0] for lab in labels]
+            else:
+                pos = [_nonzero(lab > 0, n) for lab, n in zip(labels, positives)]  # the sampled positives: labels >= 1
             mask_proposals = [p[i] for p, i in zip(proposals, pos)]
             pos_matched_idxs = [m[i] for m, i in zip(matched_idxs, pos)]
             mask_logits = self.mask_predictor(self.mask_head(self.mask_roi_pool(features, mask_proposals, image_shapes)))
