@@ -10,6 +10,7 @@ import torch
 from torchvision import tv_tensors
 from torchvision.transforms.v2 import functional as F
 
+from test_data_lsj import _tight
 from vtdense.data import COCODataModule
 from vtdense.data.transforms import (
     RandomRangeCrop,
@@ -17,14 +18,6 @@ from vtdense.data.transforms import (
     detection_train_transforms,
     drop_degenerate_instances,
 )
-
-
-def _tight(mask: torch.Tensor) -> list[float] | None:
-    """Tight XYXY box of a mask (exclusive right/bottom), or None when empty."""
-    ys, xs = torch.nonzero(mask, as_tuple=True)
-    if len(ys) == 0:
-        return None
-    return [float(xs.min()), float(ys.min()), float(xs.max()) + 1, float(ys.max()) + 1]
 
 
 def _sample(height: int, width: int) -> tuple[tv_tensors.Image, dict[str, Any]]:

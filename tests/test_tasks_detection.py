@@ -317,18 +317,21 @@ def test_fit_reduces_loss_and_uses_datamodule_classes(coco_root: Path, tmp_path:
     assert restored.hparams["num_classes"] == 2 and restored.label_to_category_id == {1: 1, 2: 3}
 
 
+class _FakeTrainer:
+    """What ``configure_optimizers`` reads of a trainer."""
+
+    estimated_stepping_batches = 100
+    num_training_batches = 10
+    accumulate_grad_batches = 1
+
+
 @pytest.mark.parametrize("rule", ["names", "1d"])
 def test_optimizer_groups_skip_decay_on_norms_and_tables(rule: str) -> None:
     """``no_decay="names"`` (the default, mmdet's Swin ``paramwise_cfg`` and detectron2's MViTv2):
     norms and position tables get no weight decay, biases do. ``"1d"`` (timm's rule): every bias too."""
     task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, weight_decay=0.05, no_decay=rule, **SLIM)
 
-    class FakeTrainer:
-        estimated_stepping_batches = 100
-        num_training_batches = 10
-        accumulate_grad_batches = 1
-
-    task._trainer = FakeTrainer()  # type: ignore[assignment]
+    task._trainer = _FakeTrainer()  # type: ignore[assignment]
     conf = task.configure_optimizers()
     opt = conf["optimizer"]
     decay = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
@@ -350,12 +353,7 @@ def test_sgd_with_every_parameter_decayed_steps_as_mmdet_sgd() -> None:
     task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, head="retinanet", num_classes=2, optimizer="sgd",
                          momentum=0.9, lr=0.01, weight_decay=1e-4, no_decay="none", fpn_channels=32)
 
-    class FakeTrainer:
-        estimated_stepping_batches = 100
-        num_training_batches = 10
-        accumulate_grad_batches = 1
-
-    task._trainer = FakeTrainer()  # type: ignore[assignment]
+    task._trainer = _FakeTrainer()  # type: ignore[assignment]
     opt = task.configure_optimizers()["optimizer"]
     assert type(opt) is torch.optim.SGD
     for group in opt.param_groups:  # backbone and the rest: the same settings, all decayed
@@ -435,12 +433,7 @@ def test_layer_decay_composes_with_the_backbone_multiplier() -> None:
     task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, num_classes=2, lr=1e-3, layer_decay=0.5,
                          backbone_lr_mult=0.1, **SLIM)
 
-    class FakeTrainer:
-        estimated_stepping_batches = 100
-        num_training_batches = 10
-        accumulate_grad_batches = 1
-
-    task._trainer = FakeTrainer()  # type: ignore[assignment]
+    task._trainer = _FakeTrainer()  # type: ignore[assignment]
     opt = task.configure_optimizers()["optimizer"]
     names = {id(p): n for n, p in task.model.named_parameters()}
     lr = {names[id(p)]: g["initial_lr"] for g in opt.param_groups for p in g["params"]}  # before the warmup factor
