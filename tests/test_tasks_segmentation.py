@@ -429,28 +429,30 @@ def test_mmseg_layout_is_the_default_head() -> None:
     assert all(isinstance(n, torch.nn.Identity) for n in model.decoder.feature_norms)
     assert model.encoder.backbone.out_norms is not None
     head = model.segmentation_head
-    assert isinstance(head[0], DropoutConv2d) and head[0].p == 0.1 and not head[1].align_corners
+    assert isinstance(head[0], DropoutConv2d) and head[0].p == 0.1 and isinstance(head[1], torch.nn.Identity)
+    assert task.size_divisibility == 1  # no padding to 32: the backbone pads inside, as mmseg's Swin
     assert 0.005 < float(head[0].weight.std()) < 0.015 and float(head[0].bias.abs().max()) == 0.0
     aux_cls = task.aux_head.block[-1]
     assert 0.005 < float(aux_cls.weight.std()) < 0.015
     fusion = model.decoder.fusion_block[0]  # 3x3 conv, kaiming normal over fan-out
     expected = math.sqrt(2.0 / (fusion.out_channels * 9))
     assert abs(float(fusion.weight.std()) / expected - 1) < 0.1
-    x = torch.rand(1, 3, 64, 96)
     task.eval()
-    with torch.no_grad():
-        feats = model.encoder(task.normalize(x))
-        low = head[0](model.decoder(list(feats)))
-        ref = F.interpolate(low, size=(64, 96), mode="bilinear", align_corners=False)
-        torch.testing.assert_close(task(x), ref)
-        assert not torch.allclose(ref, F.interpolate(low, size=(64, 96), mode="bilinear", align_corners=True))
+    for size in ((64, 96), (60, 70)):  # (60, 70): no multiple of 32, fed unpadded, resized in one step
+        x = torch.rand(1, 3, *size)
+        with torch.no_grad():
+            feats = model.encoder(task.normalize(x))
+            low = head[0](model.decoder(list(feats)))
+            ref = F.interpolate(low, size=size, mode="bilinear", align_corners=False)
+            torch.testing.assert_close(task(x), ref)
+            assert not torch.allclose(ref, F.interpolate(low, size=size, mode="bilinear", align_corners=True))
     task.train()  # (a batch of 2: the pooled branch's BatchNorm needs it in training)
     x2 = task.normalize(torch.rand(2, 3, 64, 96))
     with torch.no_grad():
         assert not torch.equal(task._logits(x2)[0], task._logits(x2)[0])
     smp_task = _task(head_layout="smp")
     assert not any(isinstance(n, torch.nn.Identity) for n in smp_task.model.decoder.feature_norms)
-    assert smp_task.model.segmentation_head[1].align_corners
+    assert smp_task.model.segmentation_head[1].align_corners and smp_task.size_divisibility == 32
 
 
 def test_loss_is_averaged_over_all_pixels_as_mmseg_or_over_labelled_ones() -> None:

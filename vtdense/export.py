@@ -25,8 +25,8 @@ detector      ``image`` (C, H, W) in [0, 1]    ``boxes`` (D, 4) XYXY in input pi
 
 Backbone and FPN inputs are what the backbone itself takes (normalised images). The segmenter
 graph takes ``[0, 1]`` images and normalises inside (mean / std of the checkpoint's task, ImageNet
-for a bare SMP model), pads to the encoder's multiple and crops the logits back, exactly like
-``SegmentationTask.forward`` with whole-image inference. The detector graph takes ``[0, 1]``
+for a bare SMP model), pads to the model's multiple (none for mmseg's head layout) and brings the logits to
+the input's size, exactly like ``SegmentationTask.forward`` with whole-image inference. The detector graph takes ``[0, 1]``
 images too: torchvision's transform inside it normalises and pads.
 
 Sizes: the batch dimension ``N`` is dynamic; height and width are fixed at export time
@@ -184,7 +184,7 @@ class _Features(nn.Module):
 
 
 class _Segmenter(nn.Module):
-    """``[0, 1]`` images -> normalise -> pad to the encoder's multiple -> SMP model -> crop.
+    """``[0, 1]`` images -> normalise -> pad to the model's multiple -> SMP model -> logits at the input's size.
 
     Runs the SMP model's encoder, decoder and segmentation head like its ``forward`` does
     (and ``SegmentationTask``), with the feature sizes pinned for the exporter.
@@ -204,7 +204,9 @@ class _Segmenter(nn.Module):
         if ph or pw:
             x = F.pad(x, (0, pw, 0, ph))
         feats = [_pin_spatial(f) for f in self.model.encoder(x)]
-        return self.model.segmentation_head(self.model.decoder(feats))[..., :h, :w]
+        from vtdense.models.segmentation import logits_at
+
+        return logits_at(self.model.segmentation_head(self.model.decoder(feats)), h, w)
 
 
 def _pin_spatial(f: Tensor) -> Tensor:
@@ -461,7 +463,9 @@ def export(
         example = torch.rand(2, chans, h, w)
         axes = {"image": batch_axes, **{n: batch_axes for n in names_out}}
     elif what == "segmenter":
-        multiple = max(32, int(getattr(part.encoder, "size_divisibility", 32)))
+        from vtdense.models.segmentation import input_multiple
+
+        multiple = input_multiple(part)
         if normalize:
             mean, std = (mean or info["mean"]), (std or info["std"])
             if len(mean) != chans or len(std) != chans:

@@ -47,6 +47,8 @@ __all__ = [
     "HEAD_LAYOUTS",
     "DropoutConv2d",
     "apply_mmseg_layout",
+    "input_multiple",
+    "logits_at",
 ]
 
 #: Prefix of the SMP encoder names of vtdense backbones.
@@ -418,9 +420,16 @@ def apply_mmseg_layout(model: nn.Module, aux_head: nn.Module | None = None, drop
       those become identities when the backbone has output norms (mmseg's Swin has one norm per
       output, which feeds the head).
     - ``Dropout2d(dropout)`` before the classifier (mmseg's ``dropout_ratio=0.1``).
-    - The logits are upsampled to the input bilinearly with ``align_corners=False``, as mmseg
-      resizes them (SMP's head uses ``align_corners=True``).
+    - The head leaves the logits at the decoder's resolution (1/4 of the input; SMP's head
+      upsamples them x4 with ``align_corners=True``), for :func:`logits_at` to resize them to
+      the input's size in one bilinear step with ``align_corners=False``, as mmseg does.
+    - The input is not padded to a multiple of 32 (``model.input_multiple = 1``, see
+      :func:`input_multiple`): the backbone pads inside, as mmseg's Swin does, so the decoder's
+      pooling sees the image and not a padded border.
     - mmcv's initialisation of the decoder, the classifier and ``aux_head``'s layers.
+
+    The model's own ``forward`` then returns logits at 1/4 of the input; ``SegmentationTask`` and
+    :func:`vtdense.export` resize them with :func:`logits_at`.
 
     Args:
         model: an SMP model with ``encoder``, ``decoder`` and ``segmentation_head``; changed in place.
@@ -438,13 +447,32 @@ def apply_mmseg_layout(model: nn.Module, aux_head: nn.Module | None = None, drop
     head = model.segmentation_head
     head[0] = DropoutConv2d(head[0], dropout)
     if isinstance(head[1], nn.Upsample):
-        head[1] = nn.Upsample(scale_factor=head[1].scale_factor, mode="bilinear", align_corners=False)
+        head[1] = nn.Identity()
+    model.input_multiple = 1
     _mmcv_init(model.decoder, ())
     _mmcv_init(head, (head[0],))
     if aux_head is not None:
         convs = [m for m in aux_head.modules() if isinstance(m, nn.Conv2d)]
         _mmcv_init(aux_head, (convs[-1],))
     return model
+
+
+def input_multiple(model: nn.Module) -> int:
+    """The multiple an SMP model built by :func:`build_segmentor` wants its input's sides padded to:
+    1 after :func:`apply_mmseg_layout` (its backbone pads inside), else at least 32 (SMP's check)."""
+    multiple = getattr(model, "input_multiple", None)
+    if multiple is not None:
+        return int(multiple)
+    return max(32, int(getattr(model.encoder, "size_divisibility", 32)))
+
+
+def logits_at(logits: Tensor, height: int, width: int) -> Tensor:
+    """Head logits ``(N, C, h, w)`` as logits ``(N, C, height, width)`` of the unpadded input: cropped
+    when the head gave the (padded) input's size, resized bilinearly with ``align_corners=False``
+    (mmseg's ``resize``) when it gave less (:func:`apply_mmseg_layout`'s 1/4)."""
+    if logits.shape[-2] >= height and logits.shape[-1] >= width:
+        return logits[..., :height, :width]
+    return F.interpolate(logits, size=(int(height), int(width)), mode="bilinear", align_corners=False)
 
 
 register_smp_encoders()

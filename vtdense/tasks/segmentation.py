@@ -26,7 +26,15 @@ from torch import Tensor, nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
 
 from vtdense.models.compile import check_compile_option
-from vtdense.models.segmentation import ARCHITECTURES, HEAD_LAYOUTS, FCNHead, apply_mmseg_layout, build_segmentor
+from vtdense.models.segmentation import (
+    ARCHITECTURES,
+    HEAD_LAYOUTS,
+    FCNHead,
+    apply_mmseg_layout,
+    build_segmentor,
+    input_multiple,
+    logits_at,
+)
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import adamw, apply_layer_decay, check_no_decay, layer_ids, param_groups, warmup_schedule
 
@@ -239,12 +247,12 @@ class SegmentationTask(BaseTask):
             encoder_depth=h.encoder_depth,
             **(h.arch_kwargs or {}),
         )
-        self.size_divisibility = max(32, int(getattr(self.model.encoder, "size_divisibility", 32)))
         self.aux_head = (
             FCNHead(self.model.encoder.out_channels[4], h.num_classes, h.aux_channels) if h.aux_weight > 0 else None
         )
         if h.get("head_layout", "mmseg") == "mmseg":
             apply_mmseg_layout(self.model, self.aux_head)
+        self.size_divisibility = input_multiple(self.model)  # 1 for mmseg's layout: the backbone pads inside
 
     def configure_losses(self) -> None:
         """Cross-entropy with the ignore label, averaged as ``loss_average`` says."""
@@ -293,8 +301,7 @@ class SegmentationTask(BaseTask):
         """Logits (and aux logits) at the input size for normalised images of any size."""
         x, h, w = self._pad(x)
         feats = self.model.encoder(x)
-        logits = self.model.segmentation_head(self.model.decoder(list(feats)))
-        logits = logits[..., :h, :w]
+        logits = logits_at(self.model.segmentation_head(self.model.decoder(list(feats))), h, w)
         aux = None
         if with_aux and self.aux_head is not None:
             aux = F.interpolate(self.aux_head(feats[4]), size=x.shape[-2:], mode="bilinear", align_corners=False)
