@@ -658,14 +658,17 @@ def _backbone_for_neck(name: str, kwargs: dict[str, Any], min_stride: int) -> nn
     from vtdense.backbones.registry import create_backbone
 
     _import_backbones()
-    backbone = create_backbone(name, **kwargs)
-    if "out_indices" in kwargs or not hasattr(backbone, "out_indices"):
-        return backbone
-    indices, strides = tuple(backbone.out_indices), list(backbone.out_strides)
-    used = tuple(i for i, s in zip(indices, strides) if s >= min_stride)
-    if used and used != indices:  # (the neck reports a backbone without any usable level)
-        backbone = create_backbone(name, **kwargs, out_indices=used)
-    return backbone
+    if "out_indices" in kwargs:
+        return create_backbone(name, **kwargs)
+    # the outputs' strides, from a weightless copy on the meta device (no weights loaded twice)
+    with torch.device("meta"):
+        probe = create_backbone(name, **{k: v for k, v in kwargs.items() if k != "pretrained"})
+    if hasattr(probe, "out_indices"):
+        indices, strides = tuple(probe.out_indices), list(probe.out_strides)
+        used = tuple(i for i, s in zip(indices, strides) if s >= min_stride)
+        if used and used != indices:  # (the neck reports a backbone without any usable level)
+            kwargs["out_indices"] = used
+    return create_backbone(name, **kwargs)
 
 
 def check_size_divisibility(value: Any, base: int) -> int:
