@@ -132,8 +132,9 @@ class SegmentationTask(BaseTask):
             set when the trainer builds the model.
         head_layout: ``"mmseg"`` (default): the decoder and heads as mmseg builds them
             (:func:`vtdense.models.segmentation.apply_mmseg_layout`: no second norm on the backbone's
-            outputs, dropout 0.1 before the classifier, logits upsampled with
-            ``align_corners=False``, mmcv's initialisation); ``"smp"``: SMP's model as it is.
+            outputs, dropout 0.1 before the classifier, logits resized from 1/4 to the input in one
+            step with ``align_corners=False``, no padding to 32, mmcv's initialisation);
+            ``"smp"``: SMP's model as it is.
             Checkpoints written before this option load as ``"smp"``.
         loss_average: ``"all"`` (default, mmseg's): the cross-entropy summed over the labelled
             pixels and divided by all the batch's pixels, padding and ignored ones included, so a
