@@ -555,3 +555,19 @@ def test_swin_v1_tables_of_windows_shrunk_to_small_maps_keep_their_values() -> N
     with torch.no_grad():
         for want, got in zip(ref.forward_intermediates(x, intermediates_only=True), ours(x).values()):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_tensor_stored_under_two_keys_is_reported_under_the_key_it_loads_from() -> None:
+    """A checkpoint holding one tensor under two keys (its own and an alias the model lacks): the
+    report says it loaded from its own key and names the alias as the same tensor, instead of
+    calling the loaded key dropped."""
+    kwargs = dict(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=4)
+    sd = dict(vtdense.create_backbone("swin_tiny", **kwargs).state_dict())
+    sd["ema.patch_embed.proj.weight"] = sd["patch_embed.proj.weight"]  # the same tensor object
+    dst = vtdense.create_backbone("swin_tiny", **kwargs)
+    report = vtdense.load_pretrained(dst, sd, strict=False)
+    assert ("patch_embed.proj.weight", "patch_embed.proj.weight") in report.loaded
+    dropped = dict(report.dropped)
+    assert "patch_embed.proj.weight" not in dropped
+    assert dropped["ema.patch_embed.proj.weight"] == "the same tensor as patch_embed.proj.weight, loaded"
+    assert torch.equal(dst.patch_embed.proj.weight, sd["patch_embed.proj.weight"])

@@ -539,7 +539,9 @@ def _load_read(model: nn.Module, obj: object, report: LoadReport, *, strict: boo
     report.model_name = type(model).__name__
     raw = _unwrap(obj, source)
     report.format = "vtdense" if report.source_config and "name" in report.source_config else detect_format(raw, model)
-    origin = {id(v): k for k, v in raw.items()}
+    origin: dict[int, list[str]] = {}  # a tensor may be stored under several keys
+    for key, value in raw.items():
+        origin.setdefault(id(value), []).append(key)
     with report:
         sd = _CONVERTERS[_family(model)](raw, model)
     own = model.state_dict()
@@ -561,16 +563,20 @@ def _load_read(model: nn.Module, obj: object, report: LoadReport, *, strict: boo
     model.load_state_dict(fitting, strict=False)
 
     used = set()
+    aliases: dict[str, str] = {}  # another key of a loaded tensor -> the key it was loaded under
     for k, v in fitting.items():
-        src = origin.get(id(v))
+        src = _source_key(origin.get(id(v)), k)
         if src is not None:  # loaded as it is (resized and derived tensors are listed apart)
             report.loaded.append((src, k))
             used.add(src)
+            aliases.update((other, src) for other in origin[id(v)] if other != src)
     stripped = any(k.startswith(("backbone.", "model.", "encoder.")) for k in raw)
     whole_model = any(k.startswith(_TASK_PREFIXES) for k in raw)
-    misfit = {origin[id(v)] for k, v in sd.items() if k in own and own[k].shape != v.shape and id(v) in origin}  # strict=False
+    misfit = {_source_key(origin.get(id(v)), k) for k, v in sd.items() if k in own and own[k].shape != v.shape}  # strict=False
     report.dropped.extend(
-        (k, "shape does not fit the model's tensor" if k in misfit else _drop_reason(k, stripped, whole_model))
+        (k, "shape does not fit the model's tensor" if k in misfit
+         else f"the same tensor as {aliases[k]}, loaded" if k in aliases
+         else _drop_reason(k, stripped, whole_model))
         for k, v in raw.items()
         if k not in used and id(v) not in report.consumed
     )
@@ -580,6 +586,17 @@ def _load_read(model: nn.Module, obj: object, report: LoadReport, *, strict: boo
     if log:
         _logger.info("%s", report.summary())
     return report
+
+
+def _source_key(keys: list[str] | None, target: str) -> str | None:
+    """Which of the checkpoint keys holding one tensor (``keys``) it was loaded from into model key
+    ``target``: the one naming ``target`` (itself, or with a prefix), else the first."""
+    if not keys:
+        return None
+    for key in keys:
+        if key == target or key.endswith("." + target):
+            return key
+    return keys[0]
 
 
 def save_backbone(model: nn.Module, path: str | os.PathLike) -> Path:
