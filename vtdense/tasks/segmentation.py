@@ -317,13 +317,13 @@ class SegmentationTask(BaseTask):
         """``[0, 1]`` images ``(N, C, H, W)`` with everything beyond each image's own extent
         (``image_sizes``: ``N`` pairs ``(h, w)``) set to the mean colour, which normalises to 0:
         mmseg normalises its crops and batches and then pads them with 0, whatever the loader
-        padded with. Returns a new tensor."""
-        out = image.clone()
-        mean = self.mean[0].to(out.dtype)
-        for i, (h, w) in enumerate(image_sizes):
-            out[i, :, int(h):] = mean
-            out[i, :, :, int(w):] = mean
-        return out
+        padded with. Returns a new tensor; no value is read back to the host (the sizes may lie on
+        the device, where Lightning moves the batch)."""
+        sizes = torch.as_tensor(image_sizes, device=image.device).reshape(-1, 2)
+        rows = torch.arange(image.shape[-2], device=image.device)[None, :] >= sizes[:, :1]
+        cols = torch.arange(image.shape[-1], device=image.device)[None, :] >= sizes[:, 1:]
+        outside = rows[:, None, :, None] | cols[:, None, None, :]
+        return torch.where(outside, self.mean.to(image.dtype), image)
 
     def forward(self, image: Tensor) -> Tensor:
         """Logits ``(N, num_classes, H, W)`` for ``[0, 1]`` images ``(N, C, H, W)`` of any size."""
