@@ -44,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
+from torchvision import tv_tensors  # noqa: E402
 
 from vtdense.data.samplers import EpochRandomSampler, GroupedBatchSampler, aspect_ratio_group_ids  # noqa: E402
 from vtdense.data.seeding import sample_seed, seeded_rng  # noqa: E402
@@ -84,8 +85,6 @@ def augmented_size(transform: Any, height: int, width: int, index: int, seed: in
     """``(height, width)`` that ``transform`` gives image ``index`` of ``height x width`` in ``epoch``:
     the transform runs on an empty box list of that canvas under the training loader's per-sample
     seed (:class:`~vtdense.data.seeding.SeededDataset`), so it makes the same draws as on the image."""
-    from torchvision import tv_tensors
-
     with seeded_rng(sample_seed(seed, epoch, index)):
         out = transform(tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=(height, width)))
     return int(out.canvas_size[0]), int(out.canvas_size[1])
