@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 import vtdense
 from vtdense import create_backbone
-from vtdense.export import export_program, load_checkpoint, main
+from vtdense.export import export_program, load_checkpoint, main, model_from_checkpoint
 from vtdense.models.detection import build_detector
 from vtdense.models.segmentation import build_segmentor
 
@@ -148,6 +148,28 @@ def test_segmentation_checkpoint_exports_task_forward(tmp_path: Path) -> None:
             _assert_close([task(x)], _run(sess, x))
     with pytest.raises(ValueError, match="what=.fpn. from a segmenter"):
         vtdense.export(ckpt, tmp_path / "x.onnx", what="fpn")
+
+
+def test_segmentation_checkpoint_of_an_earlier_release_rebuilds_its_own_model(tmp_path: Path) -> None:
+    """A checkpoint saved before ``head_layout`` existed holds SMP's own model: export rebuilds that
+    model (as loading the task does) instead of refusing its weights."""
+    import lightning as L
+
+    from vtdense.tasks.segmentation import SegmentationTask
+
+    torch.manual_seed(0)
+    old = SegmentationTask(
+        backbone="swinv2_tiny", backbone_kwargs=FAMILIES["swinv2"][1], num_classes=3, arch_kwargs={"decoder_channels": 16},
+        aux_channels=16, warmup_steps=0, head_layout="smp", loss_average="valid",
+    ).eval()
+    hparams = {k: v for k, v in old.hparams.items() if k not in ("head_layout", "loss_average")}
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": old.state_dict(), "hyper_parameters": hparams, "pytorch-lightning_version": L.__version__}, path)
+    model, info = model_from_checkpoint(path)
+    assert info["kind"] == "segmenter"
+    x = torch.rand(2, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), old.model(x))
 
 
 def _perturb_heads(model: torch.nn.Module) -> None:

@@ -190,6 +190,11 @@ def test_from_checkpoint_weights_only_with_names_and_preprocessing(det_ckpt: Pat
     assert task.predict_transform()(torch.zeros(3, 100, 300, dtype=torch.uint8)).shape == (3, 43, 128)
     assert task.predict_transform(test_scale=32)(torch.zeros(3, 100, 300, dtype=torch.uint8)).shape == (3, 32, 96)
 
+    # a datamodule given root=Path(...) saved a pathlib object: it loads (as vtdense.export reads it)
+    torch.save(dict(saved, datamodule_hyper_parameters={**saved["datamodule_hyper_parameters"], "root": Path("/data/coco")}),
+               tmp_path / "path.ckpt")
+    assert DetectionTask.from_checkpoint(tmp_path / "path.ckpt").datamodule_hparams["root"] == Path("/data/coco")
+
     # a checkpoint holding an arbitrary Python object is refused, not unpickled
     evil = dict(saved, extra=argparse.Namespace(run="code"))
     torch.save(evil, tmp_path / "evil.ckpt")

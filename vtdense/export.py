@@ -51,7 +51,6 @@ import functools
 import importlib.util
 import inspect
 import json
-import pathlib
 import re
 import sys
 import types
@@ -64,6 +63,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from vtdense.checkpoints.io import read_task_checkpoint
 
 __all__ = [
     "KINDS",
@@ -81,35 +82,18 @@ MIN_OPSET, MAX_OPSET = 14, 20
 DEFAULT_OPSET = 17
 _IMAGENET_MEAN = (0.485, 0.456, 0.406)
 _IMAGENET_STD = (0.229, 0.224, 0.225)
-#: Classes a Lightning checkpoint may hold besides plain types: paths in datamodule
-#: hyper-parameters. They are rebuilt from strings; nothing else is allowed.
-_SAFE_CHECKPOINT_GLOBALS = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
 
 
 # ---------------------------------------------------------------------------- checkpoints
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint with ``torch.load(weights_only=True)`` (no code from the file runs).
-
-    Lightning checkpoints of vtdense tasks hold plain types, except datamodule options given as
-    ``pathlib`` paths; those (and only those) classes are allowed.
+    """Read a checkpoint with ``torch.load(weights_only=True)`` (no code from the file runs):
+    :func:`vtdense.checkpoints.io.read_task_checkpoint`.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: the file holds other Python objects, or is not a checkpoint (names the file).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    try:
-        with torch.serialization.safe_globals(_SAFE_CHECKPOINT_GLOBALS):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # pickle / zip / weights-only errors all mean: not loadable safely
-        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [type(err).__name__]
-        reason = next((ln for ln in lines if "Unsupported global" in ln), lines[-1])
-        raise ValueError(f"cannot load {str(path)!r} safely with torch.load(weights_only=True): {reason[:300]}") from err
-    if not isinstance(obj, dict):
-        raise ValueError(f"{str(path)!r} holds a {type(obj).__name__}, not a checkpoint dict")
-    return obj
+    return read_task_checkpoint(path)
 
 
 def _task_class(ckpt: Mapping[str, Any], path: Path) -> type[nn.Module]:
@@ -157,6 +141,9 @@ def _rebuild(ckpt: Mapping[str, Any], path: Path) -> tuple[nn.Module, dict[str, 
     if "metric_backend" in kwargs:
         kwargs["metric_backend"] = "pycocotools"  # metrics are not exported; do not need the optional one
     task = cls(**kwargs)
+    # what a checkpoint of an earlier release needs (e.g. a segmenter saved before ``head_layout``
+    # holds SMP's own model), as Lightning's loading and ``from_checkpoint`` apply it
+    task.on_load_checkpoint(dict(ckpt))
     prefix = "model."
     state = {k[len(prefix):]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)}
     if not state:

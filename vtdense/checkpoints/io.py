@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import pathlib
 import pickle
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -28,7 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CheckpointError", "CheckpointFile", "read_checkpoint", "write_safetensors", "SAFETENSORS_CONFIG_KEY"]
+__all__ = ["CheckpointError", "CheckpointFile", "read_checkpoint", "read_task_checkpoint", "write_safetensors",
+           "SAFETENSORS_CONFIG_KEY"]
 
 #: safetensors metadata key holding a vtdense backbone config (JSON).
 SAFETENSORS_CONFIG_KEY = "vtdense_backbone"
@@ -160,6 +162,36 @@ def _torch_load(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the file name
         raise CheckpointReadError(f"cannot read checkpoint {path}: {e}") from e
+
+
+#: The only classes a Lightning checkpoint of a vtdense task may hold besides tensors and plain
+#: containers: ``pathlib`` paths, which ``save_hyperparameters`` stores as they were given (a data
+#: module's ``root=Path(...)``).
+_TASK_CHECKPOINT_GLOBALS = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
+
+
+def read_task_checkpoint(path: str | Path) -> dict[str, Any]:
+    """A Lightning checkpoint of a vtdense task, read with ``torch.load(weights_only=True)`` on the
+    CPU: tensors, plain containers and ``pathlib`` paths only, no code from the file runs.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: the file holds other Python objects or is no checkpoint dict (the message
+            names the file and says ``weights_only=True``).
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        with torch.serialization.safe_globals(_TASK_CHECKPOINT_GLOBALS):
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # pickle / zip / weights-only errors all mean: not loadable safely
+        lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [type(err).__name__]
+        reason = next((ln for ln in lines if "Unsupported global" in ln), lines[-1])
+        raise ValueError(f"cannot load {str(path)!r} safely with torch.load(weights_only=True): {reason[:300]}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{str(path)!r} holds a {type(obj).__name__}, not a checkpoint dict")
+    return obj
 
 
 def write_safetensors(path: Path, state_dict: dict[str, Tensor], metadata: dict[str, str]) -> None:

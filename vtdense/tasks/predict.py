@@ -24,7 +24,6 @@ import inspect
 import io
 import logging
 import os
-import pickle
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,6 +38,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from torchvision.transforms.v2 import functional as TF
 
+from vtdense.checkpoints.io import read_task_checkpoint
 from vtdense.data.images import decode_image
 from vtdense.data.predict import ImageFile, ImageSource, PredictImages, collate_predict, first_names, list_images
 from vtdense.tasks.base import atomic_write_bytes, task_family
@@ -86,17 +86,7 @@ def load_task_checkpoint(
             refuses, names an unknown override, or does not match ``cls`` (the message lists keys).
     """
     path = Path(path).expanduser()
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise ValueError(
-            f"checkpoint {path} cannot be loaded with weights_only=True (it holds Python objects, not only "
-            f"tensors and plain containers), so it is not loaded: {str(e).splitlines()[0]}"
-        ) from None
-    except Exception as e:
-        raise ValueError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
+    ckpt = read_task_checkpoint(path)  # weights_only: tensors, plain containers and pathlib paths
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
         raise ValueError(f"{path} is not a Lightning checkpoint of a vtdense task (no state_dict / hyper_parameters)")
     task_name = ckpt.get("vtdense_task")
