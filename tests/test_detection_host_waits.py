@@ -32,8 +32,10 @@ import host_syncs  # noqa: E402
 
 def _pair(head: str = "mask_rcnn") -> tuple[torch.nn.Module, torch.nn.Module]:
     torch.manual_seed(0)
-    # torchvision's own heads use smooth L1 (beta 1/9) and per-image RetinaNet normalisation
-    ours = tiny_detector(head, box_loss_beta=1 / 9, retinanet_loss_norm="image")
+    # torchvision's own heads use smooth L1 (beta 1/9), per-image RetinaNet normalisation, unaligned
+    # RoIAlign and soft mask targets
+    ours = tiny_detector(head, box_loss_beta=1 / 9, retinanet_loss_norm="image", roi_aligned=False,
+                         binary_mask_targets=False)
     theirs = restore_torchvision_heads(copy.deepcopy(ours))
     return ours, theirs
 

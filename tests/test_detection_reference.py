@@ -294,3 +294,106 @@ def test_box_head_starts_as_mmdet_initialises_it() -> None:
     assert not pred.cls_score.bias.any() and not pred.bbox_pred.bias.any() and not fc6.bias.any()
     bound = (6 / (fc6.in_features + fc6.out_features)) ** 0.5  # Xavier uniform
     assert fc6.weight.abs().max().item() <= bound and fc6.weight.std().item() == pytest.approx(bound / 3**0.5, rel=0.05)
+
+
+# ---------------------------------------------------------------- 8. aligned RoIAlign and binary mask targets
+
+
+def _pyramid_and_rois() -> tuple[dict[str, torch.Tensor], list[torch.Tensor], list[tuple[int, int]]]:
+    """Four FPN levels of a 2-image batch at 128x192, and RoIs of every size (so every level pools)."""
+    g = torch.Generator().manual_seed(3)
+    x = {name: torch.randn(2, 8, 128 // s, 192 // s, generator=g) for name, s in zip(("0", "1", "2", "3"), (4, 8, 16, 32))}
+    boxes = []
+    for _ in range(2):
+        xy = torch.rand(24, 2, generator=g) * 100
+        wh = torch.cat([torch.rand(12, 2, generator=g) * 20 + 2, torch.rand(12, 2, generator=g) * 150 + 40])
+        boxes.append(torch.cat([xy, xy + wh], 1))
+    return x, boxes, [(128, 192)] * 2
+
+
+def _pooled_by_hand(pool: torch.nn.Module, x: dict, boxes: list, aligned: bool) -> torch.Tensor:
+    """Each RoI pooled alone by torchvision's roi_align from the level the pooler assigns it."""
+    from torchvision.ops import roi_align
+
+    levels = pool.map_levels(boxes)
+    rois = torch.cat([torch.cat([torch.full((len(b), 1), float(i)), b], 1) for i, b in enumerate(boxes)])
+    maps = list(x.values())
+    return torch.cat([roi_align(maps[lv], r[None], pool.output_size, spatial_scale=pool.scales[lv],
+                                sampling_ratio=pool.sampling_ratio, aligned=aligned) for r, lv in zip(rois, levels.tolist())])
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_rois_are_pooled_with_the_half_pixel_offset(graph: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The box and mask poolers sample as ``roi_align(aligned=True)`` (mmdet's RoIAlign, detectron2's
+    ROIAlignV2), eagerly and in the per-level form graphs trace; ``roi_aligned=False`` keeps torchvision's."""
+    from torchvision.ops import MultiScaleRoIAlign
+
+    heads = tiny_detector("mask_rcnn").roi_heads
+    assert heads.box_roi_pool.aligned and heads.mask_roi_pool.aligned
+    assert heads.aligned_mask_targets and heads.binary_mask_targets
+    if graph:
+        _graph_like_tracing(monkeypatch)
+    x, boxes, shapes = _pyramid_and_rois()
+    for pool in (heads.box_roi_pool, heads.mask_roi_pool):
+        pool.featmap_names = list(x)
+        out = pool(x, boxes, shapes)
+        torch.testing.assert_close(out, _pooled_by_hand(pool, x, boxes, aligned=True), rtol=0, atol=1e-6)
+        assert not torch.allclose(out, _pooled_by_hand(pool, x, boxes, aligned=False), atol=1e-3)
+    plain = tiny_detector("mask_rcnn", roi_aligned=False, binary_mask_targets=False).roi_heads
+    reference = MultiScaleRoIAlign(list(x), 7, sampling_ratio=0)
+    plain.box_roi_pool.featmap_names = list(x)
+    torch.testing.assert_close(plain.box_roi_pool(x, boxes, shapes), reference(x, boxes, shapes), rtol=0, atol=0)
+    assert not (plain.aligned_mask_targets or plain.binary_mask_targets)
+
+
+def test_mask_targets_are_aligned_and_binary_as_the_references_make_them() -> None:
+    """A box that exactly covers an object gets an all-ones target (mmdet's / detectron2's
+    crop_and_resize); torchvision's samples half a pixel off and fades the bottom and right edges."""
+    from torchvision.models.detection.roi_heads import maskrcnn_loss, project_masks_on_boxes
+
+    from vtdense.models.mask_targets import mask_loss, mask_targets
+
+    masks = torch.zeros(2, 40, 48, dtype=torch.uint8)
+    masks[0, 8:24, 8:24] = 1
+    masks[1, 20:36, 4:44] = 1
+    boxes = torch.tensor([[8.0, 8.0, 24.0, 24.0], [4.0, 20.0, 44.0, 36.0], [0.0, 0.0, 16.0, 16.0]])
+    matched = torch.tensor([0, 1, 0])
+    ours = mask_targets(masks, boxes, matched, 4)
+    assert torch.equal(ours[0], torch.ones(4, 4)) and torch.equal(ours[1], torch.ones(4, 4))
+    # the third box covers the object's top-left quarter: its bottom-right quarter, all ones, the rest zeros
+    assert torch.equal(ours[2], torch.tensor([[0.0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]]))
+    tv = project_masks_on_boxes(masks, boxes, matched, 4)
+    torch.testing.assert_close(mask_targets(masks, boxes, matched, 4, aligned=False, binary=False), tv, rtol=0, atol=0)
+    assert tv[0, -1].max() < 1 and tv[0, :, -1].max() < 1  # torchvision's fade at the far edges
+    assert set(ours.unique().tolist()) <= {0.0, 1.0}
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 4, 4, generator=g)
+    labels = [torch.tensor([2, 3])]
+    args = (logits, [boxes], [masks], labels, [matched])
+    torch.testing.assert_close(mask_loss(*args, aligned=False, binary=False), maskrcnn_loss(*args), rtol=0, atol=0)
+    picked = logits[torch.arange(3), labels[0][matched]]
+    torch.testing.assert_close(mask_loss(*args), F.binary_cross_entropy_with_logits(picked, ours))
+
+
+def test_roi_alignment_options_are_checked_kept_by_old_checkpoints_and_by_export(tmp_path) -> None:
+    """A DetectionTask checkpoint saved before the options existed loads with torchvision's pooling and
+    targets, as it was trained; ONNX below opset 16 cannot express aligned RoIAlign: one clear error."""
+    import lightning as L
+
+    import vtdense
+    from vtdense.tasks.detection import DetectionTask
+
+    with pytest.raises(ValueError, match="roi_aligned must be True or False"):
+        tiny_detector("mask_rcnn", roi_aligned="yes")
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, num_classes=3, fpn_channels=32, slim_heads=True)
+    hparams = {k: v for k, v in task.hparams.items() if k not in ("roi_aligned", "binary_mask_targets")}
+    path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": task.state_dict(), "hyper_parameters": hparams, "pytorch-lightning_version": L.__version__}, path)
+    old = DetectionTask.load_from_checkpoint(path)
+    heads = old.model.roi_heads
+    assert not (heads.box_roi_pool.aligned or heads.mask_roi_pool.aligned or heads.aligned_mask_targets
+                or heads.binary_mask_targets)
+    assert old.hparams.roi_aligned is False and DetectionTask.from_checkpoint(path).model.roi_heads.box_roi_pool.aligned is False
+    with pytest.raises(ValueError, match="opset=15.*opset >= 16"):
+        vtdense.export(task.model, tmp_path / "det.onnx", input_size=(64, 64), opset=15)

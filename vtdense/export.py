@@ -465,6 +465,13 @@ def export(
         from torchvision.models.detection import MaskRCNN
 
         names_out = ["boxes", "labels", "scores"] + (["masks"] if isinstance(part, MaskRCNN) else [])
+        heads = getattr(part, "roi_heads", None)
+        aligned = any(getattr(getattr(heads, name, None), "aligned", False) for name in ("box_roi_pool", "mask_roi_pool"))
+        if aligned and int(opset) < 16:
+            raise ValueError(
+                f"opset={opset}: this detector's RoIAlign is aligned (roi_aligned=True), which ONNX's RoiAlign "
+                "expresses from opset 16 on (coordinate_transformation_mode 'half_pixel'); export with opset >= 16"
+            )
         wrapper = _Detector(part, names_out)
         example = torch.rand(chans, h, w)
         axes = {n: {0: "detections"} for n in names_out}

@@ -36,7 +36,8 @@ from vtdense.layers.opaque_conv import opaque_convs
 from vtdense.layers.tracing import fresh_tables, tracing
 from vtdense.models.mask_rois import check_mask_rois_multiple, pad_mask_rois
 from vtdense.models.paste_masks import paste_masks
-from vtdense.models.rcnn_waits import device_constant, reduce_host_waits
+from vtdense.models.rcnn_waits import LowWaitRoIHeads, device_constant, reduce_host_waits
+from vtdense.models.roi_pool import LevelSortedRoIAlign
 from vtdense.models.retinanet_waits import LOSS_NORMALIZATIONS
 
 __all__ = [
@@ -52,6 +53,7 @@ __all__ = [
     "build_detector",
     "check_size_divisibility",
     "list_heads",
+    "set_roi_alignment",
     "set_size_divisibility",
 ]
 
@@ -547,6 +549,8 @@ def build_detector(
     mask_rois_multiple: int | None = 32,
     box_loss_beta: float = 0.0,
     retinanet_loss_norm: str = "batch",
+    roi_aligned: bool = True,
+    binary_mask_targets: bool = True,
 ) -> nn.Module:
     """Build a torchvision detector on a vtdense backbone with an FPN.
 
@@ -595,6 +599,12 @@ def build_detector(
         retinanet_loss_norm: RetinaNet: ``"batch"`` (mmdet) divides the batch's summed focal and
             box losses by its number of foreground anchors (each image counting at least 1);
             ``"image"`` (torchvision) divides each image's by its own and averages over the images.
+        roi_aligned: R-CNN heads: RoIAlign with the half-pixel offset (``aligned=True``) for the
+            box and mask heads' features and the mask targets, as mmdet 2.x (``RoIAlign``) and
+            detectron2 (``ROIAlignV2``); ``False``: torchvision's ``aligned=False``, which samples
+            half a pixel right of and below each bin's centre.
+        binary_mask_targets: Mask R-CNN: mask targets thresholded at 0.5, as mmdet and detectron2;
+            ``False``: torchvision's soft targets (:mod:`vtdense.models.mask_targets`).
 
     Returns:
         The torchvision detector; ``model.backbone`` is a :class:`BackboneWithFPN` and
@@ -611,6 +621,9 @@ def build_detector(
         raise ValueError(f"retinanet_loss_norm={retinanet_loss_norm!r}: choose one of {', '.join(LOSS_NORMALIZATIONS)}")
     if isinstance(box_loss_beta, bool) or not isinstance(box_loss_beta, (int, float)) or not box_loss_beta >= 0:
         raise ValueError(f"box_loss_beta must be a number >= 0 (0: L1), got {box_loss_beta!r}")
+    for name, value in (("roi_aligned", roi_aligned), ("binary_mask_targets", binary_mask_targets)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
     extra, min_stride, builder = HEADS[head]
     if isinstance(backbone, str):
         backbone = _backbone_for_neck(backbone, dict(backbone_kwargs or {}), min_stride)
@@ -647,9 +660,29 @@ def build_detector(
         retinanet_loss_norm=retinanet_loss_norm,
     )
     model = builder(neck, num_classes, opts, dict(head_kwargs or {}))
+    set_roi_alignment(model, roi_aligned, binary_mask_targets)
     pad = check_size_divisibility(size_divisibility, neck.size_divisibility)
     model.transform = NoResizeTransform(image_mean, image_std, size_divisible=pad)
     return model
+
+
+def set_roi_alignment(model: nn.Module, aligned: bool, binary_mask_targets: bool) -> None:
+    """Set how an R-CNN from :func:`build_detector` pools its RoIs and makes its mask targets
+    (``roi_aligned``, ``binary_mask_targets`` there), in place; a detector without RoI heads is
+    left as it is. No parameter changes, so a model's weights stay valid either way."""
+    heads = getattr(model, "roi_heads", None)
+    if heads is None:
+        return
+    for pool in (getattr(heads, "box_roi_pool", None), getattr(heads, "mask_roi_pool", None)):
+        if isinstance(pool, LevelSortedRoIAlign):
+            pool.aligned = bool(aligned)
+        elif pool is not None and aligned:
+            raise ValueError(f"aligned RoIAlign needs vtdense's RoI pooler, not {type(pool).__name__}")
+    if isinstance(heads, LowWaitRoIHeads):
+        heads.aligned_mask_targets = bool(aligned)
+        heads.binary_mask_targets = bool(binary_mask_targets)
+    elif aligned or binary_mask_targets:
+        raise ValueError(f"aligned or binary mask targets need vtdense's RoI heads, not {type(heads).__name__}")
 
 
 def _backbone_for_neck(name: str, kwargs: dict[str, Any], min_stride: int) -> nn.Module:

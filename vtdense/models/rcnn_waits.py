@@ -39,9 +39,11 @@ wait 49 times (two of the rest are torchvision's check for degenerate target box
 count sees data-dependent ops and host reads, not blocking host-to-device copies, of which four per
 step are gone too (the box coder's two, the NMS offsets' two).
 
-The one intended difference: the box regression losses of the RPN and the RoI box head are smooth
-L1 with the head's ``box_loss_beta`` (:func:`~vtdense.models.detection.build_detector` sets 0, L1, as
-mmdet and detectron2; torchvision fixes 1/9, which a head without the attribute keeps).
+The intended differences, each set by :func:`~vtdense.models.detection.build_detector` as mmdet and
+detectron2 have it and left at torchvision's on heads it did not build: the box regression losses of
+the RPN and the RoI box head are smooth L1 with the head's ``box_loss_beta`` (0, L1; torchvision fixes
+1/9), and the mask loss's targets are aligned and binary (``aligned_mask_targets``,
+``binary_mask_targets``; :mod:`vtdense.models.mask_targets`).
 
 While a graph is built (``torch.compile``, ``torch.export``, ONNX, TorchScript) every method runs
 torchvision's own code, except that the losses keep ``box_loss_beta`` (so compiled and eager
@@ -57,12 +59,13 @@ import torch
 from torch import Tensor, nn
 from torchvision.models.detection._utils import BalancedPositiveNegativeSampler, BoxCoder, Matcher, encode_boxes
 from torchvision.models.detection.retinanet import RetinaNetClassificationHead, RetinaNetRegressionHead
-from torchvision.models.detection.roi_heads import RoIHeads, maskrcnn_loss
+from torchvision.models.detection.roi_heads import RoIHeads
 from torchvision.models.detection.rpn import RegionProposalNetwork
 from torchvision.ops import MultiScaleRoIAlign
 from torchvision.ops import boxes as box_ops
 
 from vtdense.layers.tracing import fresh_tables, tracing
+from vtdense.models.mask_targets import mask_loss
 from vtdense.models.nms import batched_nms
 from vtdense.models.retinanet_waits import LowWaitClassificationHead, LowWaitRegressionHead
 from vtdense.models.roi_pool import LevelSortedRoIAlign
@@ -313,7 +316,14 @@ class LowWaitRPN(RegionProposalNetwork):
 class LowWaitRoIHeads(RoIHeads):
     """torchvision's :class:`~torchvision.models.detection.roi_heads.RoIHeads` (same arguments,
     submodules and state-dict keys) with fewer host waits in training and prediction: see the module
-    docstring."""
+    docstring. Its mask loss takes the targets of :attr:`aligned_mask_targets` and
+    :attr:`binary_mask_targets` (:func:`~vtdense.models.mask_targets.mask_loss`)."""
+
+    #: Mask targets cropped by RoIAlign with ``aligned=True`` / thresholded at 0.5, as mmdet and
+    #: detectron2. Class defaults ``False``: torchvision's targets for heads given this class in place
+    #: of torchvision's; ``build_detector`` sets both (its ``roi_aligned``, ``binary_mask_targets``).
+    aligned_mask_targets: bool = False
+    binary_mask_targets: bool = False
 
     def assign_targets_to_proposals(self, proposals: list[Tensor], gt_boxes: list[Tensor],
                                     gt_labels: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
@@ -379,7 +389,9 @@ class LowWaitRoIHeads(RoIHeads):
         is built (then the positives are found by ``torch.where``, as torchvision finds them)."""
         beta = box_loss_beta(self)
         counting = _counting(self.fg_bg_sampler)
-        if not self.training or self.has_keypoint() or targets is None or (not counting and beta == TORCHVISION_BOX_LOSS_BETA):
+        aligned, binary = bool(self.aligned_mask_targets), bool(self.binary_mask_targets)
+        as_torchvision = beta == TORCHVISION_BOX_LOSS_BETA and not (self.has_mask() and (aligned or binary))
+        if not self.training or self.has_keypoint() or targets is None or (not counting and as_torchvision):
             return super().forward(features, proposals, image_shapes, targets)
         for t in targets:  # torchvision's checks (dtypes: no wait)
             if t["boxes"].dtype not in (torch.float, torch.double, torch.half):
@@ -404,8 +416,8 @@ class LowWaitRoIHeads(RoIHeads):
             mask_proposals = [p[i] for p, i in zip(proposals, pos)]
             pos_matched_idxs = [m[i] for m, i in zip(matched_idxs, pos)]
             mask_logits = self.mask_predictor(self.mask_head(self.mask_roi_pool(features, mask_proposals, image_shapes)))
-            losses["loss_mask"] = maskrcnn_loss(mask_logits, mask_proposals, [t["masks"] for t in targets],
-                                                [t["labels"] for t in targets], pos_matched_idxs)
+            losses["loss_mask"] = mask_loss(mask_logits, mask_proposals, [t["masks"] for t in targets],
+                                            [t["labels"] for t in targets], pos_matched_idxs, aligned, binary)
         return [], losses
 
 
@@ -450,7 +462,10 @@ def reduce_host_waits(model: nn.Module) -> nn.Module:
 
 
 def restore_torchvision_heads(model: nn.Module) -> nn.Module:
-    """Undoes :func:`reduce_host_waits`: torchvision's own classes, for comparison or debugging."""
+    """Undoes :func:`reduce_host_waits`: torchvision's own classes, for comparison or debugging. They
+    know none of vtdense's options: their box losses are smooth L1 with beta 1/9, their RoIAlign and
+    mask targets torchvision's (``build_detector(box_loss_beta=1/9, roi_aligned=False,
+    binary_mask_targets=False)`` computes the same)."""
     for obj in _objects(model):
         for base, ours in _SWAPS:
             if type(obj) is ours:

@@ -39,7 +39,7 @@ from torchvision.ops import box_convert
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
 from vtdense.models.compile import check_compile_option
-from vtdense.models.detection import HEADS, build_detector, list_heads, set_size_divisibility
+from vtdense.models.detection import HEADS, build_detector, list_heads, set_roi_alignment, set_size_divisibility
 from vtdense.models.mask_rois import check_mask_rois_multiple
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import (
@@ -191,6 +191,8 @@ class DetectionTask(BaseTask):
         activation_recompute: bool = True,
         activation_recompute_min_bytes: int | None = None,
         triton_attention: bool | str = "auto",
+        roi_aligned: bool = True,
+        binary_mask_targets: bool = True,
     ) -> None:
         """Initialise the task.
 
@@ -268,6 +270,12 @@ class DetectionTask(BaseTask):
                 kernel). Process-wide
                 (:func:`vtdense.layers.triton_window_attention.set_triton_window_attention`), set when
                 the trainer builds the model.
+            roi_aligned: R-CNN heads: RoIAlign with the half-pixel offset for the box and mask
+                features and the mask targets, as mmdet 2.x and detectron2 (``false``: torchvision's
+                ``aligned=False``). A checkpoint saved before this option existed loads with ``false``,
+                as it was trained. See ``build_detector``.
+            binary_mask_targets: Mask R-CNN: mask targets thresholded at 0.5, as mmdet and detectron2
+                (``false``: torchvision's soft targets); ``false`` for checkpoints saved before it.
 
         Raises:
             ValueError: an unknown choice (the message names the option and lists the choices).
@@ -348,6 +356,8 @@ class DetectionTask(BaseTask):
             head_kwargs=hp["head_kwargs"],
             size_divisibility=hp.get("size_divisibility"),
             mask_rois_multiple=hp.get("mask_rois_multiple", 32),
+            roi_aligned=hp.get("roi_aligned", True),
+            binary_mask_targets=hp.get("binary_mask_targets", True),
         )
 
     def configure_metrics(self) -> None:
@@ -407,6 +417,12 @@ class DetectionTask(BaseTask):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the category tables (and build the model if ``num_classes`` was deferred)."""
         super().on_load_checkpoint(checkpoint)
+        saved = checkpoint.get("hyper_parameters", {})
+        for name in ("roi_aligned", "binary_mask_targets"):  # options added later: as the model was trained
+            if name not in saved:
+                self.hparams[name] = False
+        if self.model is not None:
+            set_roi_alignment(self._detector, self.hparams["roi_aligned"], self.hparams["binary_mask_targets"])
         self.label_to_category_id = dict(checkpoint.get("label_to_category_id", {}))
         self.category_names = dict(checkpoint.get("category_names", {}))
         if self.model is None:
