@@ -1,6 +1,7 @@
 """The detectors follow their references (mmdet 2.x Swin Mask R-CNN / RetinaNet, detectron2 MViTv2):
 every parameter trains (DDP-safe), anchors at fixed level strides, 1000 training proposals, L1 box
-losses, adaptive RoIAlign sampling, RetinaNet losses normalised over the batch."""
+losses, adaptive and aligned RoIAlign sampling, binary aligned mask targets, RetinaNet losses
+normalised over the batch."""
 
 from __future__ import annotations
 
