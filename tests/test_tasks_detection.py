@@ -256,6 +256,38 @@ def test_predicted_masks_are_binarised_above_one_half() -> None:
     assert torch.equal(pred["masks"], row.expand(1, 4, 12))
 
 
+def test_masks_are_pasted_once_into_the_original_image() -> None:
+    """Evaluation and prediction paste each detection's mask head output once, into the original
+    image with the rescaled box, as torchvision's own Mask R-CNN does when it resizes images itself
+    (and mmdet and detectron2 do): not pasted into the resized input and then resized again."""
+    from torchvision.models.detection.roi_heads import paste_masks_in_image
+
+    from vtdense.models.detection import unpasted_masks
+
+    torch.manual_seed(0)
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, head="mask_rcnn", num_classes=2, score_thresh=0.0,
+                         **SLIM).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in task.model.roi_heads.mask_predictor.parameters():  # spread the probabilities out of ~0.5
+            p.add_(torch.randn(p.shape, generator=g))
+    image = torch.rand(3, 64, 96, generator=g)
+    target = {"orig_size": (150, 200)}  # the data pipeline shrank a 150 x 200 original to 64 x 96
+    with torch.no_grad():
+        with unpasted_masks(task.model) as unpasted:
+            (raw,) = task.model([image])
+        (pasted,) = task.model([image])
+        (pred,) = task.predict_step(([image], [target]), 0)
+    assert unpasted and raw["masks"].shape[-2:] == (28, 28) and len(raw["boxes"]) >= 5
+    boxes = raw["boxes"] * torch.tensor([200 / 96, 150 / 64, 200 / 96, 150 / 64])
+    want = paste_masks_in_image(raw["masks"], boxes, (150, 200))[:, 0] > 0.5
+    assert pred["masks"].shape == (len(boxes), 150, 200) and torch.equal(pred["masks"], want)
+    assert want.any()
+    twice = task._to_original(image, pasted, target)["masks"]  # the former path: pasted at 64 x 96, then resized
+    assert not torch.equal(twice, want)
+    assert task.model.transform.paste  # restored: the model itself still returns pasted masks
+
+
 class FixedOrderCOCO(COCODataModule):
     """Unshuffled training batches, so every epoch of one batch sees the same images."""
 

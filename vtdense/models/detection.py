@@ -15,9 +15,10 @@ under mixed precision.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +56,7 @@ __all__ = [
     "list_heads",
     "set_roi_alignment",
     "set_size_divisibility",
+    "unpasted_masks",
 ]
 
 IMAGENET_MEAN: tuple[float, float, float] = (0.485, 0.456, 0.406)
@@ -73,6 +75,12 @@ class NoResizeTransform(GeneralizedRCNNTransform):
     change the scale the head sees. ``postprocess`` is then an identity rescale, so detections
     come back in the coordinates of the images given to the model.
     """
+
+    #: Paste each detection's mask into its image (torchvision's output). ``False`` (see
+    #: :func:`unpasted_masks`): in prediction the masks stay the mask head's ``(N, 1, M, M)``
+    #: probabilities, for a caller that pastes them into another frame once, such as the original
+    #: image before the data pipeline resized it.
+    paste: bool = True
 
     def __init__(
         self,
@@ -113,6 +121,8 @@ class NoResizeTransform(GeneralizedRCNNTransform):
         as torchvision's, with one wait per image instead of about a dozen per detection)."""
         if self.training or tracing() or any(tuple(a) != tuple(b) for a, b in zip(image_shapes, original_image_sizes)):
             return super().postprocess(result, image_shapes, original_image_sizes)
+        if not self.paste:
+            return result
         for pred, shape in zip(result, original_image_sizes):
             if "keypoints" in pred:  # no vtdense head predicts them: torchvision's own path
                 return super().postprocess(result, image_shapes, original_image_sizes)
@@ -664,6 +674,27 @@ def build_detector(
     pad = check_size_divisibility(size_divisibility, neck.size_divisibility)
     model.transform = NoResizeTransform(image_mean, image_std, size_divisible=pad)
     return model
+
+
+@contextlib.contextmanager
+def unpasted_masks(model: nn.Module) -> Iterator[bool]:
+    """Within this block a detector from :func:`build_detector` returns Mask R-CNN's masks in
+    prediction unpasted, ``(N, 1, M, M)`` probabilities over each detection's box (its
+    :class:`NoResizeTransform` leaves them as the mask head made them). Yields whether it does: ``False``
+    for a model with another transform, whose masks come pasted as usual."""
+    transform = getattr(model, "transform", None)
+    if not isinstance(transform, NoResizeTransform):
+        yield False
+        return
+    before = transform.__dict__.get("paste")
+    transform.paste = False
+    try:
+        yield True
+    finally:
+        if before is None:
+            del transform.paste
+        else:
+            transform.paste = before
 
 
 def set_roi_alignment(model: nn.Module, aligned: bool, binary_mask_targets: bool) -> None:

@@ -39,7 +39,9 @@ from torchvision.ops import box_convert
 from torchvision.utils import draw_bounding_boxes, draw_segmentation_masks
 
 from vtdense.models.compile import check_compile_option
-from vtdense.models.detection import HEADS, build_detector, list_heads, set_roi_alignment, set_size_divisibility
+from vtdense.models.detection import (HEADS, build_detector, list_heads, set_roi_alignment, set_size_divisibility,
+                                     unpasted_masks)
+from vtdense.models.paste_masks import paste_masks
 from vtdense.models.mask_rois import check_mask_rois_multiple
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import (
@@ -538,16 +540,22 @@ class DetectionTask(BaseTask):
         table = self.label_to_category_id
         return torch.tensor([table.get(int(lab), int(lab)) for lab in labels.tolist()], dtype=torch.long)
 
-    def _to_original(self, image: Tensor, det: dict[str, Tensor], target: dict[str, Any] | None) -> dict[str, Tensor]:
-        """Rescale one image's detections to its original size; masks -> bool ``[N, H0, W0]``."""
+    def _to_original(self, image: Tensor, det: dict[str, Tensor], target: dict[str, Any] | None,
+                     unpasted: bool = False) -> dict[str, Tensor]:
+        """Rescale one image's detections to its original size; masks -> bool ``[N, H0, W0]``.
+
+        ``unpasted``: ``det["masks"]`` are the mask head's ``(N, 1, M, M)`` probabilities
+        (:func:`~vtdense.models.detection.unpasted_masks`), pasted here once into the original image
+        with the rescaled boxes, as mmdet and detectron2 paste (and torchvision, whose model resizes
+        the images itself); otherwise masks pasted into the model's input are resized to it."""
         h, w = int(image.shape[-2]), int(image.shape[-1])
         if target is not None and "orig_size" in target:
             h0, w0 = _size_tuple(target["orig_size"], "orig_size")
         else:
             h0, w0 = h, w
-        boxes = det["boxes"].float().detach().cpu()
         scale = torch.tensor([w0 / w, h0 / h, w0 / w, h0 / h])
-        boxes = boxes * scale
+        on_device = det["boxes"].detach().float() * scale.to(det["boxes"].device)
+        boxes = on_device.cpu()
         boxes[:, 0::2] = boxes[:, 0::2].clamp(0, w0)
         boxes[:, 1::2] = boxes[:, 1::2].clamp(0, h0)
         out = {
@@ -558,12 +566,14 @@ class DetectionTask(BaseTask):
         out["category_ids"] = self._category_ids(out["labels"])
         if "masks" in det:
             probs = det["masks"].detach()
-            chunks = [
-                F.interpolate(probs[i : i + _MASK_CHUNK].float(), size=(h0, w0), mode="bilinear", align_corners=False)[
-                    :, 0
-                ].gt(0.5).cpu()
-                for i in range(0, probs.shape[0], _MASK_CHUNK)
-            ]
+            chunks = []
+            for i in range(0, probs.shape[0], _MASK_CHUNK):
+                part = probs[i : i + _MASK_CHUNK].float()
+                if unpasted:
+                    part = paste_masks(part, on_device[i : i + _MASK_CHUNK], (h0, w0))
+                else:
+                    part = F.interpolate(part, size=(h0, w0), mode="bilinear", align_corners=False)
+                chunks.append(part[:, 0].gt(0.5).cpu())
             out["masks"] = torch.cat(chunks) if chunks else torch.zeros(0, h0, w0, dtype=torch.bool)
         return out
 
@@ -611,10 +621,11 @@ class DetectionTask(BaseTask):
                     out["segm"].append({"image_id": image_id, "category_id": int(c), "segmentation": rle, "score": float(s)})
         return out
 
-    def _draw(self, image: Tensor, det: dict[str, Tensor]) -> Tensor:
+    def _draw(self, image: Tensor, det: dict[str, Tensor], unpasted: bool = False) -> Tensor:
         """Draw detections (resized coordinates) over the model input; uint8 ``[3, s*h, s*w]``.
 
-        Small images are upscaled by an integer factor ``s`` so labels stay legible.
+        Small images are upscaled by an integer factor ``s`` so labels stay legible. ``unpasted``: as
+        for :meth:`_to_original` (the masks are pasted into the model input first).
         """
         keep = (det["scores"] >= self.hparams["vis_score_thresh"]).cpu()
         h, w = image.shape[-2:]
@@ -625,6 +636,8 @@ class DetectionTask(BaseTask):
         canvas = (canvas * 255).to(torch.uint8)
         if "masks" in det and keep.any():
             masks = det["masks"].detach().float().cpu()[keep]
+            if unpasted:
+                masks = paste_masks(masks, det["boxes"].detach().float().cpu()[keep], (int(h), int(w)))
             if scale > 1:
                 masks = F.interpolate(masks, scale_factor=scale, mode="bilinear", align_corners=False)
             canvas = draw_segmentation_masks(canvas, masks[:, 0].gt(0.5), alpha=0.45)
@@ -641,12 +654,13 @@ class DetectionTask(BaseTask):
             raise RuntimeError("metrics are not configured: the detector was never set up")
         images, targets = batch
         keep = self.eval_keep(len(images))
-        dets = self(list(images))
+        with unpasted_masks(self._detector) as unpasted:  # pasted once, into the original image
+            dets = self(list(images))
         for image, det, target, real in zip(images, dets, targets, keep):
             if not real:  # a repeat added by the distributed sampler
                 continue
             image_id = int(target["image_id"])
-            pred = self._to_original(image, det, target)
+            pred = self._to_original(image, det, target, unpasted)
             record = {k: pred[k] for k in ("boxes", "scores")} | {"labels": pred["category_ids"]}
             if "masks" in pred and "segm" in self.iou_types:
                 record["masks"] = _rle_encode(pred["masks"])
@@ -655,7 +669,7 @@ class DetectionTask(BaseTask):
                 gt["masks"] = _rle_encode(gt["masks"])
             self._records[image_id] = {"pred": record, "gt": gt}
             if len(self._vis) < self.hparams["num_vis_images"]:
-                self._vis.append((image_id, self._draw(image, det)))
+                self._vis.append((image_id, self._draw(image, det, unpasted)))
 
     @staticmethod
     def _decoded(record: dict[str, Any], size: tuple[int, int]) -> dict[str, Tensor]:
@@ -743,8 +757,9 @@ class DetectionTask(BaseTask):
             images, targets = list(batch), [None] * len(batch)
         if not images:  # every image of the batch was skipped (undecodable files)
             return []
-        dets = self(images)
-        return [self._to_original(img, det, tgt) for img, det, tgt in zip(images, dets, targets)]
+        with unpasted_masks(self._detector) as unpasted:  # pasted once, into the original image
+            dets = self(images)
+        return [self._to_original(img, det, tgt, unpasted) for img, det, tgt in zip(images, dets, targets)]
 
     # ============================================================================================
     # Prediction on new images (issue 11): preprocessing from the checkpoint, a score threshold,
