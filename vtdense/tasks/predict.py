@@ -104,7 +104,9 @@ def load_task_checkpoint(
         task = cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint {path} does not rebuild a {cls.__name__}: {e}") from None
-    task.on_load_checkpoint(ckpt)
+    # the hook fills options added after the checkpoint was saved with their legacy values; an option
+    # the caller gave explicitly counts as saved, so the override wins
+    task.on_load_checkpoint({**ckpt, "hyper_parameters": {**dict(ckpt["hyper_parameters"]), **overrides}})
     if getattr(task, "model", None) is None:
         raise ValueError(f"checkpoint {path} saved no num_classes, so the {cls.__name__} model cannot be built")
     result = task.load_state_dict(ckpt["state_dict"], strict=False)
