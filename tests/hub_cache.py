@@ -35,7 +35,7 @@ def hub_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., 
         org, name = repo_id.split("/")
         commit = hashlib.sha1(f"{repo_id}@{revision}".encode()).hexdigest()
         repo = cache / f"models--{org}--{name}"
-        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / revision).parent.mkdir(parents=True, exist_ok=True)  # refs/pr/3 nests
         (repo / "refs" / revision).write_text(commit)
         snap = repo / "snapshots" / commit
         snap.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,19 @@ def test_bin_fallback_revision_and_explicit_file(hub_cache) -> None:  # noqa: F8
     _assert_backbone_has(got, other.state_dict())
 
 
+def test_a_pull_request_revision_keeps_its_slashes(hub_cache) -> None:  # noqa: F811
+    """``org/repo@refs/pr/3`` is the Hub's pull-request 3, not revision ``refs`` and file ``pr/3``."""
+    main = randomize_(vtdense.create_backbone("swin_tiny", **TINY), seed=3)
+    pr = randomize_(vtdense.create_backbone("swin_tiny", **TINY), seed=4)
+    hub_cache("me/prs", {"model.safetensors": main.state_dict()})
+    hub_cache("me/prs", {"model.safetensors": pr.state_dict(), "sub/w.pth": {"model": main.state_dict()}}, revision="refs/pr/3")
+    _assert_backbone_has(vtdense.create_backbone("swin_tiny", pretrained="me/prs@refs/pr/3", **TINY), pr.state_dict())
+    got = vtdense.create_backbone("swin_tiny", pretrained="hf-hub:me/prs@refs/pr/3/sub/w.pth", **TINY)
+    _assert_backbone_has(got, main.state_dict())
+    with pytest.raises(CheckpointError, match="refs/pr.*incomplete"):
+        vtdense.create_backbone("swin_tiny", pretrained="hf-hub:me/prs@refs/pr", **TINY)
+
+
 def test_safetensors_preferred_and_config_read_at_the_same_revision(hub_cache) -> None:  # noqa: F811
     """A repo with both ``model.safetensors`` and ``pytorch_model.bin`` (different weights here):
     the safetensors file is read. ``config.json`` comes from the revision the weights came from

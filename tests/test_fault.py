@@ -264,6 +264,10 @@ def test_checkpoint_for_another_model_is_one_clear_error(coco: Path, tmp_path: P
                   "window_size": 4}, head="faster_rcnn", num_classes=2, fpn_channels=16, slim_heads=True, box_head_width=32)
     with pytest.raises(ValueError, match=r"backbone_kwargs\.embed_dim=16 \(this run: 32\)"):
         wide.check_checkpoint_fits(ckpt, "a.ckpt")
+    # the same options spelt as tuples (Python) where the checkpoint has lists (YAML): it fits
+    tuples = _NaNAt(backbone="swin_tiny", backbone_kwargs={"embed_dim": 16, "depths": (1, 1, 1, 1), "num_heads": (1, 1, 2, 2),
+                    "window_size": 4}, head="faster_rcnn", num_classes=2, fpn_channels=16, slim_heads=True, box_head_width=32)
+    tuples.check_checkpoint_fits(ckpt, "a.ckpt")
     mvit = _NaNAt(backbone="mvitv2_tiny", backbone_kwargs={"embed_dim": 16, "depths": [1, 1, 1, 1]}, head="faster_rcnn",
                   num_classes=2, fpn_channels=16, slim_heads=True, box_head_width=32)
     with pytest.raises(ValueError, match=r"backbone='swin_tiny' \(this run: 'mvitv2_tiny'\)"):

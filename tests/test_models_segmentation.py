@@ -170,7 +170,16 @@ def test_local_weights_are_loaded(tmp_path) -> None:
         "upernet", "swinv2_tiny", 3, backbone_kwargs=TINY["swinv2"], backbone_weights=str(path), encoder_depth=4
     )
     assert shallow.encoder.out_channels == [3, 0, 32, 64, 128]
-    torch.testing.assert_close(shallow.encoder.backbone.state_dict()["patch_embed.proj.weight"], src.state_dict()["patch_embed.proj.weight"])
+    # it builds the same stages as without weights (so its checkpoints reload without them)
+    bare = build_segmentor("upernet", "swinv2_tiny", 3, backbone_kwargs=TINY["swinv2"], encoder_depth=4)
+    assert shallow.encoder.backbone.state_dict().keys() == bare.encoder.backbone.state_dict().keys()
+    assert len(shallow.encoder.backbone.layers) == 3
+    for k, v in shallow.encoder.backbone.state_dict().items():
+        torch.testing.assert_close(v, src.state_dict()[k])
+    # the weights are still checked against the whole backbone
+    torch.save({k: v for k, v in src.state_dict().items() if not k.startswith("layers.3.")}, path)
+    with pytest.raises(vtdense.CheckpointError, match="missing keys.*layers.3"):
+        build_segmentor("upernet", "swinv2_tiny", 3, backbone_kwargs=TINY["swinv2"], backbone_weights=str(path), encoder_depth=4)
 
 
 def test_errors_are_clear() -> None:

@@ -481,6 +481,8 @@ def test_checkpoint_without_the_layout_options_loads_as_it_was_trained(tmp_path:
                 "pytorch-lightning_version": L.__version__}, path)
     loaded = SegmentationTask.load_from_checkpoint(path).eval()
     assert loaded.hparams.head_layout == "smp" and loaded.hparams.loss_average == "valid"
+    # an option given to the loader wins over the earlier release's value
+    assert SegmentationTask.load_from_checkpoint(path, loss_average="all").hparams.loss_average == "all"
     x = torch.rand(1, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), old(x))
@@ -492,3 +494,41 @@ def test_checkpoint_without_the_layout_options_loads_as_it_was_trained(tmp_path:
     assert again.hparams.head_layout == "mmseg" and again.hparams.loss_average == "all"
     with torch.no_grad():
         torch.testing.assert_close(again(x), new(x))
+
+
+def test_a_shallow_encoder_fine_tuned_from_weights_reloads(tmp_path: Path) -> None:
+    """``encoder_depth=4`` leaves out backbone stage 4 with or without ``backbone_weights``, so the
+    checkpoint reloads into the model rebuilt from its options alone (which has no weights to
+    read); an earlier release's checkpoint that holds stage 4 loads without it for prediction and
+    is refused for a resume, with the option that builds it."""
+    import vtdense
+    from vtdense.export import model_from_checkpoint
+
+    torch.manual_seed(0)
+    weights = tmp_path / "bb.safetensors"
+    vtdense.save_backbone(vtdense.create_backbone("swinv2_tiny", **TINY_SWINV2), weights)
+    task = _task(encoder_depth=4, backbone_weights=str(weights), aux_weight=0.0).eval()
+    assert len(task.model.encoder.backbone.layers) == 3
+    path = tmp_path / "d4.ckpt"
+    torch.save({"state_dict": task.state_dict(), "hyper_parameters": dict(task.hparams), "vtdense_task": "SegmentationTask",
+                "pytorch-lightning_version": L.__version__}, path)
+    x = torch.rand(1, 3, 64, 64)
+    with torch.no_grad():
+        want = task(x)
+        torch.testing.assert_close(SegmentationTask.from_checkpoint(path).eval()(x), want)
+        torch.testing.assert_close(model_from_checkpoint(path)[0](x), task.model(x))
+    # an earlier release built stage 4 when given weights: its checkpoint holds weights SMP never read
+    whole = _task(encoder_depth=4, aux_weight=0.0, backbone_kwargs={**TINY_SWINV2, "out_indices": (0, 1, 2, 3)})
+    old = {**task.state_dict(), **{k: v for k, v in whole.state_dict().items() if ".layers.3." in k}}
+    old_path = tmp_path / "old.ckpt"
+    torch.save({"state_dict": old, "hyper_parameters": dict(task.hparams), "vtdense_task": "SegmentationTask",
+                "pytorch-lightning_version": L.__version__}, old_path)
+    with torch.no_grad():
+        torch.testing.assert_close(SegmentationTask.from_checkpoint(old_path).eval()(x), want)
+        torch.testing.assert_close(model_from_checkpoint(old_path)[0](x), task.model(x))
+    sample = {"image": x[0], "mask": torch.zeros(64, 64, dtype=torch.long), "image_size": (64, 64)}
+    loader = DataLoader([sample] * 2, batch_size=2, collate_fn=seg_collate)
+    resumed = _task(encoder_depth=4, aux_weight=0.0)
+    with pytest.raises(ValueError, match=r"old\.ckpt holds \d+ weights of backbone stages .*out_indices=\[0, 1, 2, 3\]"):
+        _trainer(tmp_path, max_steps=2, limit_val_batches=0, enable_checkpointing=False).fit(
+            resumed, train_dataloaders=loader, ckpt_path=str(old_path))

@@ -4,7 +4,7 @@ A string given as weights is, in this order:
 
 1. an existing local file: used as is;
 2. a Hub id: ``org/repo`` (``timm/swin_tiny_patch4_window7_224.ms_in1k``), optionally
-   ``org/repo@revision``, or with an explicit prefix ``hf-hub:org/repo[@revision][/file/in/repo]``
+   ``org/repo@revision`` (a pull request's ``refs/pr/<n>`` too), or with an explicit prefix ``hf-hub:org/repo[@revision][/file/in/repo]``
    (timm's spelling; ``hf://`` works too). A name that looks like a file (a checkpoint suffix, a
    path with more than one ``/``, or one starting with ``.``, ``/`` or ``~``) is taken as a
    missing local file instead.
@@ -32,6 +32,8 @@ WEIGHT_FILES: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin", "mode
 
 _PREFIXES = ("hf-hub:", "hf://")
 _FILE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".pkl", ".pyth", ".tar", ".npz")
+#: Revisions that continue past a ``/``: ``refs/pr/<n>`` and ``refs/convert/<name>``.
+_SLASHED_REVISIONS = ("refs",)
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
@@ -74,7 +76,13 @@ def _split(spec: str) -> tuple[str, str | None, str | None]:
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise HubError(f"{spec!r} is not a Hugging Face Hub id (expected org/repo)")
     name, _, revision = parts[1].partition("@")
-    filename = "/".join(parts[2:]) or None
+    rest = parts[2:]
+    if revision in _SLASHED_REVISIONS and rest:
+        # the Hub's pull-request and conversion refs hold slashes: refs/pr/<n>, refs/convert/<name>
+        if len(rest) < 2 or not rest[1]:
+            raise HubError(f"{spec!r}: revision '{revision}/{'/'.join(rest)}' is incomplete (expected e.g. refs/pr/3)")
+        revision, rest = "/".join([revision, *rest[:2]]), rest[2:]
+    filename = "/".join(rest) or None
     return f"{parts[0]}/{name}", revision or None, filename
 
 

@@ -193,8 +193,9 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
         self._depth = depth
         self._output_stride = output_stride
         self._trimmed = False
-        if 2 <= depth < 5 and "out_indices" not in options and weights is None:
-            # do not build stages SMP will not read (kept with weights, so checkpoints load strictly)
+        if 2 <= depth < 5 and "out_indices" not in options:
+            # do not build stages SMP will not read: with or without weights, so that a checkpoint
+            # of the model reloads into the model rebuilt from its options alone
             options["out_indices"] = tuple(range(depth - 1))
             self._trimmed = True
         self.backbone = self._build_backbone(options)
@@ -213,7 +214,15 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
         if self._weights is not None:
             from vtdense import load_pretrained
 
-            load_pretrained(backbone, self._weights)
+            if self._trimmed:
+                # check the weights strictly against the whole backbone, then keep the built stages'
+                whole = create_backbone(self.backbone_name, **{k: v for k, v in options.items() if k != "out_indices"})
+                load_pretrained(whole, self._weights)
+                kept = whole.state_dict()
+                backbone.load_state_dict({k: kept[k] for k in backbone.state_dict()}, strict=True)
+                del whole, kept
+            else:
+                load_pretrained(backbone, self._weights)
         return backbone
 
     def __prepare_scriptable__(self) -> "VtdenseEncoder":

@@ -25,6 +25,8 @@ The base owns what every task needs to run on several processes:
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,26 @@ def task_family(cls: type) -> str:
         if c.__module__.startswith("vtdense.tasks.") and c.__name__ != "BaseTask" and hasattr(c, "monitor"):
             return c.__name__
     return cls.__name__
+
+
+#: ``LightningModule.load_from_checkpoint`` arguments that are not the task's own options.
+_LIGHTNING_LOAD_ARGS = frozenset({"map_location", "hparams_file", "strict", "weights_only"})
+#: The options the running ``load_from_checkpoint`` call was given explicitly.
+_EXPLICIT_OPTIONS: ContextVar[dict[str, Any]] = ContextVar("vtdense_explicit_options", default={})
+
+
+def _same_shape_option(a: Any, b: Any) -> bool:
+    """Whether two saved options agree, a list and a tuple of the same items being the same
+    (a YAML config gives ``[1, 1, 2, 1]`` where Python code gave ``(1, 1, 2, 1)``)."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return tuple(plain(x) for x in v)
+        if isinstance(v, Mapping):
+            return {k: plain(x) for k, x in v.items()}
+        return v
+
+    return plain(a) == plain(b)
 
 
 def _sampler_of(dataloader: Any) -> Any:
@@ -309,18 +331,38 @@ class BaseTask(LightningModule):
         problems = []
         for key in self.ARCHITECTURE_KEYS:
             if key in saved and key in self.hparams and saved[key] is not None and self.hparams[key] is not None:
-                if saved[key] != self.hparams[key]:
+                if not _same_shape_option(saved[key], self.hparams[key]):
                     problems.append(f"{key}={saved[key]!r} (this run: {self.hparams[key]!r})")
         mine, theirs = self.hparams.get("backbone_kwargs") or {}, saved.get("backbone_kwargs") or {}
         for key in self.BACKBONE_SHAPE_KEYS:
             if key in mine or key in theirs:
-                if mine.get(key) != theirs.get(key) and saved.get("backbone") == self.hparams.get("backbone"):
+                if not _same_shape_option(mine.get(key), theirs.get(key)) and saved.get("backbone") == self.hparams.get("backbone"):
                     problems.append(f"backbone_kwargs.{key}={theirs.get(key)!r} (this run: {mine.get(key)!r})")
         if problems:
             raise ValueError(
                 f"{where} does not fit this model: it was trained with {', '.join(problems)}; use the same options to "
                 "resume, or load only the backbone with model.backbone_weights"
             )
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """Lightning's ``load_from_checkpoint``, with one difference: the options given here as
+        keyword arguments count as saved, so they win over the value :meth:`on_load_checkpoint`
+        gives an option the checkpoint predates (e.g. ``roi_aligned=True`` for a detector saved
+        before that option existed, which otherwise loads as it was trained)."""
+        explicit = {k: v for k, v in kwargs.items() if k not in _LIGHTNING_LOAD_ARGS}
+        token = _EXPLICIT_OPTIONS.set(explicit)
+        try:
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        finally:
+            _EXPLICIT_OPTIONS.reset(token)
+
+    @staticmethod
+    def saved_options(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
+        """The options the checkpoint was saved with, and those its loader gave explicitly
+        (:meth:`load_from_checkpoint` keyword arguments): what an option added in a later release
+        is judged by."""
+        return {**(checkpoint.get("hyper_parameters") or {}), **_EXPLICIT_OPTIONS.get()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Check that the checkpoint fits; when a fit resumes, restore this rank's generator states."""

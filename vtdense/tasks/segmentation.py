@@ -12,6 +12,7 @@ and colourised predictions beside the ground truth into the run directory.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ from vtdense.models.segmentation import (
     ARCHITECTURES,
     HEAD_LAYOUTS,
     FCNHead,
+    VtdenseEncoder,
     apply_mmseg_layout,
     build_segmentor,
     input_multiple,
@@ -37,6 +39,8 @@ from vtdense.models.segmentation import (
 )
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import adamw, apply_layer_decay, check_no_decay, layer_ids, param_groups, warmup_schedule
+
+_logger = logging.getLogger(__name__)
 
 __all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table", "resize_logits"]
 
@@ -520,7 +524,7 @@ class SegmentationTask(BaseTask):
         goes on as it started.
         """
         super().on_load_checkpoint(checkpoint)
-        saved = checkpoint.get("hyper_parameters", {})
+        saved = self.saved_options(checkpoint)
         if "loss_average" not in saved:
             self.hparams["loss_average"] = "valid"
         if "head_layout" not in saved and self.hparams.get("head_layout") != "smp":
@@ -529,6 +533,7 @@ class SegmentationTask(BaseTask):
                 self.build()
                 if self._trainer is not None:
                     self.configure_model()  # shard / compile the rebuilt model as the trainer's hook did
+        self._drop_unbuilt_stages(checkpoint)
         n = self.hparams.num_classes
         names = checkpoint.get("class_names")
         if names is not None and n is not None and len(names) == int(n):
@@ -536,6 +541,34 @@ class SegmentationTask(BaseTask):
         palette = checkpoint.get("palette")
         if palette is not None and n is not None and len(palette) == int(n):
             self._palette = np.asarray(palette, dtype=np.uint8).reshape(-1, 3)
+
+    def _drop_unbuilt_stages(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of an earlier release trained with ``backbone_weights`` and
+        ``encoder_depth`` < 5 holds the backbone stages SMP never read, which this model does not
+        build: their (untrained) weights are dropped for evaluation and prediction; a resume, whose
+        optimiser state counts them, is refused with the option that builds them."""
+        state = checkpoint.get("state_dict")
+        if not state or self.model is None:
+            return
+        own = self.state_dict()
+        unbuilt = []
+        for name, module in self.model.named_modules():
+            if isinstance(module, VtdenseEncoder) and module._trimmed:
+                prefix = f"model.{name}.backbone." if name else "model.backbone."
+                unbuilt += [k for k in state if k.startswith(prefix) and k not in own]
+        if not unbuilt:
+            return
+        t = self._trainer
+        if t is not None and t.state.fn == TrainerFn.FITTING:
+            raise ValueError(
+                f"checkpoint {getattr(t, 'ckpt_path', None) or ''} holds {len(unbuilt)} weights of backbone stages "
+                f"encoder_depth={self.hparams.encoder_depth} does not read ({unbuilt[0]}, ...), written by an earlier "
+                "release; to resume it, build them with model.backbone_kwargs.out_indices=[0, 1, 2, 3]"
+            )
+        for k in unbuilt:
+            del state[k]
+        _logger.info("dropped %d weights of backbone stages encoder_depth=%s does not read (%s, ...)",
+                     len(unbuilt), self.hparams.encoder_depth, unbuilt[0])
 
     def predict_transform(self, eval_scale: Sequence[int] | None = None) -> Any:
         """Validation's resize: ``eval_scale`` (else ``scale``) from the checkpoint's datamodule unless given."""
