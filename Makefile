@@ -22,11 +22,12 @@ install-test: $(VENV)/.installed-test
 train: $(VENV)/.installed
 	$(BIN)/python recipes/coco_swin.py
 
-# Tests run in TEST_WORKERS processes (pytest-xdist); TEST_WORKERS=0 runs them in this one.
+# Tests run in TEST_WORKERS processes (pytest-xdist; tests marked with one xdist_group share a worker);
+# TEST_WORKERS=0 runs them in this one.
 TEST_WORKERS ?= 2
 
 test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # Side-by-side speed and memory against timm and torchvision (benchmarks/RESULTS.md), within a 9 min
 # budget (cases that would not fit on a slow machine get fewer repeats or are left out, and are listed).

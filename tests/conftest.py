@@ -26,6 +26,13 @@ os.environ.setdefault("VTDENSE_CPU_MATMUL", "onednn" if torch.backends.mkldnn.is
 # readings). It is off here and in the tests' subprocesses; tests/test_allocator.py checks it.
 os.environ.setdefault("VTDENSE_KEEP_FREED_MEMORY", "0")
 
+# Under pytest-xdist the workers share the machine's cores: each computes on one thread, as the tests'
+# subprocesses do (OMP_NUM_THREADS=1). Two workers with a thread per core each oversubscribed a 2-core
+# machine, and a tiny op's OpenMP threads then wait on each other: a compile test ran 20% slower.
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 #: Options of the session-wide tiny COCO dataset (3 classes: category ids 1, 3, 7).
 TINY_COCO_OPTIONS: dict[str, Any] = {
     "num_train": 12,

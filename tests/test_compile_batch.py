@@ -27,11 +27,16 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _compiled_and_twin(name: str, kwargs: dict, train: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _compiled_and_twin(name: str, kwargs: dict, train: bool, random_weights: bool = False) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A backbone compiled by ``compile_backbone`` (``aot_eager``, the graph Inductor receives) and its
-    eager twin with the same weights; Dynamo's caches and counters cleared."""
+    eager twin with the same weights (``random_weights``: every parameter drawn at random, so that
+    no branch starts at zero); Dynamo's caches and counters cleared."""
+    from tests.test_swin import randomize_
+
     torch.manual_seed(0)
     twin = vtdense.create_backbone(name, **kwargs).train(train)
+    if random_weights:
+        randomize_(twin)
     model = copy.deepcopy(twin)
     torch._dynamo.reset()
     counters.clear()
@@ -54,14 +59,25 @@ def _check_step(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, 
     if train:
         for (name, p), q in zip(model.named_parameters(), twin.parameters()):
             assert p.grad is not None and q.grad is not None, name
+            if name.endswith("norm_k.bias"):
+                continue  # shifts every logit of a query alike: its true gradient is zero, both are rounding
             scale = q.grad.abs().max().item()  # (float rounding of sums over many rows: relative to the largest)
             assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5 * max(scale, 1.0)), (tuple(x.shape), name)
 
 
 @pytest.mark.parametrize("name,kwargs", [("swin_tiny", SWIN), ("mvitv2_tiny", MVIT)], ids=["swin", "mvitv2"])
 def test_one_training_graph_serves_batches_of_2_1_and_16(name: str, kwargs: dict) -> None:
-    model, twin = _compiled_and_twin(name, kwargs, train=True)
+    """Also MViTv2's decomposed relative positions in training graphs (its hybrid layout attends
+    globally from stage 2): the graph keeps the bias path (the fold's backward does not trace at
+    dynamic sizes) and gives eager's gradients with random weights. Dynamo traces the backbone once:
+    with the model's floats (norms' ``eps``) made graph inputs, as ``torch.compile(dynamic=True)``
+    alone does, lowering the graph specialised them and Dynamo traced everything a second time."""
+    import torch._dynamo.utils as dynamo_utils
+
+    model, twin = _compiled_and_twin(name, kwargs, train=True, random_weights=name.startswith("mvitv2"))
+    dynamo_utils.compilation_time_metrics.clear()
     _check_step(model, twin, torch.randn(2, 3, 192, 256), train=True)
+    assert [k for k in dynamo_utils.compilation_time_metrics if k.startswith("compile_attempt_")] == ["compile_attempt_0"]
     first = _graphs()
     assert first == 1
     for batch, size in [(1, (192, 256)), (1, (224, 160)), (16, (160, 192)), (3, (256, 192))]:

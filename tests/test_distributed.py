@@ -35,6 +35,22 @@ def _env() -> dict[str, str]:
     return env
 
 
+#: Runs already made in this worker, by their command: several tests compare against the same run
+#: (2 processes, 3 segmentation steps under DDP or FSDP), which is made once. Those tests share an
+#: xdist group, so that they meet in one worker.
+_RUNS: dict[tuple, dict] = {}
+SHARED_RUNS = pytest.mark.xdist_group("distributed_shared_runs")
+
+
+def _shared_run(tmp: Path, task: str, data: Path, devices: int, *extra: str) -> dict:
+    """:func:`_run`, made once per worker for one command (its outputs stay under the first test's
+    ``tmp``); for runs that only report, never for a run a test then changes."""
+    key = (task, str(data), devices, extra)
+    if key not in _RUNS:
+        _RUNS[key] = _run(tmp, task, data, devices, *extra)
+    return _RUNS[key]
+
+
 def _run(tmp: Path, task: str, data: Path, devices: int, *extra: str) -> dict:
     tag = f"{task}_{devices}_{hashlib.sha1(' '.join(extra).encode()).hexdigest()[:8]}"  # one output per kind of run
     out = tmp / f"{tag}.json"
@@ -247,15 +263,15 @@ def test_fsdp_strategy_shards_every_transformer_block(tmp_path: Path) -> None:
         dist.destroy_process_group()
 
 
-def test_fsdp_training_and_metrics_equal_ddp(ade5: Path, coco5: Path, tmp_path: Path) -> None:
+@SHARED_RUNS
+def test_fsdp_training_and_metrics_equal_ddp(ade5: Path, tmp_path: Path) -> None:
     """2 processes, FSDP2 against DDP: the same trained weights and the same metrics (segmentation,
-    6 optimiser steps, with BatchNorm in the decoder); detection validation on fixed weights under
-    FSDP equals one process."""
-    ddp = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "6")
-    fsdp = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "6", "--strategy", "fsdp")
+    3 optimiser steps, with BatchNorm in the decoder; the runs the two-node test compares with)."""
+    ddp = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", "ddp")
+    fsdp = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", "fsdp")
     # Relative 1e-6 of a checksum near 1600: the two strategies round differently (sharded against whole
-    # tensors in the optimiser), and 6 steps with BatchNorm amplify that by seed; on one code, weight seeds
-    # 0 to 3 gave differences of 1.6e-10, 2.3e-10, 7.9e-4 and 0.
+    # tensors in the optimiser), and steps with BatchNorm amplify that by seed; on one code, 6 steps with
+    # weight seeds 0 to 3 gave differences of 1.6e-10, 2.3e-10, 7.9e-4 and 0.
     assert fsdp["world"] == 2 and fsdp["checksum"] == pytest.approx(ddp["checksum"], rel=1e-6)
     m1, m2 = _numbers(ddp["metrics"]), _numbers(fsdp["metrics"])
     assert set(m1) == set(m2)
@@ -274,6 +290,7 @@ def test_fp16_training_under_ddp_and_fsdp(ade5: Path, tmp_path: Path) -> None:
     assert ddp["scale"] == fsdp["scale"] > 65536 / 8
 
 
+@SHARED_RUNS
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_nodes_of_one_process_train_like_one_node_of_two(strategy: str, ade5: Path, tmp_path: Path) -> None:
     """``num_nodes=2`` as a cluster runs it: one process per node, started by the scheduler (here
@@ -282,7 +299,7 @@ def test_two_nodes_of_one_process_train_like_one_node_of_two(strategy: str, ade5
     weights one node with 2 processes gives."""
     import socket
 
-    one_node = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", strategy)
+    one_node = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", strategy)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -112,28 +112,5 @@ def test_default_folds_only_when_gradients_are_needed(monkeypatch: pytest.Monkey
     assert len(calls) == sum(SMALL["depths"])
 
 
-def test_compiled_training_step_keeps_the_bias_and_matches_eager() -> None:
-    """Graphs keep the bias path (the fold's backward does not trace at dynamic sizes): a compiled
-    training step at a dynamic size (``compile_backbone``: ``dynamic=True``) gives eager's outputs
-    and gradients. Dynamo traces the backbone once: with the model's floats (norms' ``eps``) made
-    graph inputs, as ``torch.compile(dynamic=True)`` alone does, lowering the graph specialised
-    them and Dynamo traced everything a second time (85 s for this test alone, 46 s now)."""
-    import torch._dynamo.utils as dynamo_utils
-
-    from vtdense.models.compile import compile_backbone
-
-    torch.manual_seed(0)
-    kw = dict(SMALL, depths=(1, 1, 1, 1))
-    eager = randomize_(vtdense.create_backbone("mvitv2_tiny", **kw)).train()
-    model = vtdense.create_backbone("mvitv2_tiny", **kw).train()
-    model.load_state_dict(eager.state_dict())
-    dynamo_utils.compilation_time_metrics.clear()
-    compiled = compile_backbone(model, "aot_eager")
-    x = torch.randn(2, 3, 96, 64)
-    out_c, grads_c, _ = _step(compiled, x)
-    assert [k for k in dynamo_utils.compilation_time_metrics if k.startswith("compile_attempt_")] == ["compile_attempt_0"]
-    out_e, grads_e, _ = _step(eager, x)
-    for a, b in zip(out_c, out_e):
-        assert torch.allclose(a, b, atol=1e-5)
-    scale = max(g.abs().max() for g in grads_e)
-    assert max((a - b).abs().max() for a, b in zip(grads_c, grads_e)) <= 1e-5 * scale
+# A compiled training step (compile_backbone, dynamic sizes) keeps the bias path and gives eager's
+# gradients: tests/test_compile_batch.py::test_one_training_graph_serves_batches_of_2_1_and_16[mvitv2].
