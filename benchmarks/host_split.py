@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--case", default="swin", choices=sorted(CASES))
     p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps of each contender first (a compile happens there)")
     p.add_argument("--contenders", nargs="+", help="instead of the case's (e.g. 'vtdense compiled': the detector's "
                    "backbone compiled as compile_backbone does, the Swin-T model compiled whole); '_' stands for a space")
     p.add_argument("--sync", action="store_true", help="wait for the device after every phase")
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, float]]:
           f"{', synchronised after each phase' if args.sync else ''}: median ms per step")
     print("| contender | " + " | ".join(cols) + " |\n|---|" + "---|" * len(cols), flush=True)
     chosen = [c.replace("_", " ") for c in args.contenders] if args.contenders else list(contenders)
-    return split_steps(chosen, case, args.device, args.steps, sync=args.sync,
+    return split_steps(chosen, case, args.device, args.steps, warmup=args.warmup, sync=args.sync,
                        report=lambda c, r: print(f"| {c} | " + " | ".join(f"{r[k]:.2f}" for k in cols) + " |", flush=True))
 
 
