@@ -121,6 +121,16 @@ def compile_phases(seconds: float | None = None) -> dict[str, float]:
     return out
 
 
+#: A 16-channel, one-block-per-stage backbone: what the compile scripts build under ``--tiny`` (the tests').
+TINY_BACKBONE = dict(embed_dim=16, depths=(1, 1, 1, 1))
+TINY_HEADS = {"swin_tiny": (1, 1, 1, 1), "swinv2_tiny": (1, 1, 1, 1), "mvitv2_tiny": 1}  # MViTv2: stage 1's, doubled after
+
+
+def tiny_backbone_options(name: str) -> dict[str, Any]:
+    """``create_backbone`` options of the ``--tiny`` form of backbone ``name``."""
+    return dict(TINY_BACKBONE, num_heads=TINY_HEADS[name])
+
+
 def compile_script_options(p: argparse.ArgumentParser, families: list[str], default: list[str]) -> None:
     """The ``--device`` (``cpu`` or ``cuda``) and ``--families`` options of the compile scripts
     (``compile_sizes.py``, ``compile_first.py``, ``compile_train_sizes.py``)."""

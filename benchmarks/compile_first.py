@@ -36,8 +36,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from common import (  # noqa: E402
-    compile_phases, compile_script_options, environment, error_line, hw_size, parsed_with_device, trace_attempts,
-    write_report,
+    compile_phases, compile_script_options, environment, error_line, hw_size, parsed_with_device, tiny_backbone_options,
+    trace_attempts, write_report,
 )
 
 __all__ = ["first_call", "measure", "markdown", "main"]
@@ -50,8 +50,6 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 # "compile_backbone any-size": compile_backbone(size_divisible=1), one graph for every size (what it
 # compiled before sizes in whole 32-pixel cells got their own graph: RESULTS.md, "Compile: sizes in whole cells")
 HOWS = ("torch.compile", "compile_backbone any-size", "compile_backbone")
-TINY = dict(embed_dim=16, depths=(1, 1, 1, 1))
-TINY_HEADS = {"swin_tiny": (1, 1, 1, 1), "swinv2_tiny": (1, 1, 1, 1), "mvitv2_tiny": 1}  # MViTv2: stage 1's, doubled after
 
 
 def first_call(family: str, how: str, backend: str, mode: str, size: tuple[int, int], tiny: bool = False,
@@ -66,7 +64,7 @@ def first_call(family: str, how: str, backend: str, mode: str, size: tuple[int, 
     from vtdense.models.compile import compile_backbone
 
     name, overrides = FAMILIES[family]
-    kwargs = dict(overrides, drop_path_rate=0.0, out_norm=False, **(dict(TINY, num_heads=TINY_HEADS[name]) if tiny else {}))
+    kwargs = dict(overrides, drop_path_rate=0.0, out_norm=False, **(tiny_backbone_options(name) if tiny else {}))
     torch.manual_seed(0)
     model = vtdense.create_backbone(name, **kwargs).train(mode == "train").to(device)
     eager = vtdense.create_backbone(name, **kwargs).train(mode == "train").to(device)

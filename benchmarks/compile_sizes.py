@@ -29,7 +29,7 @@ import torch
 
 from common import (
     compile_script_options, compiled_first_calls, environment, error_line, hw_size, interleaved_times, median,
-    parsed_with_device, write_report,
+    parsed_with_device, tiny_backbone_options, write_report,
 )
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -46,7 +46,7 @@ def _autocast(device: str) -> contextlib.AbstractContextManager:
 
 
 def measure(family: str, sizes: list[tuple[int, int]], device: str, repeats: int, backend: str,
-            warmup: int = 1) -> dict[str, Any]:
+            warmup: int = 1, tiny: bool = False) -> dict[str, Any]:
     """One family's row: first-call seconds per size, Dynamo's counts, steady-state medians per size."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -57,7 +57,8 @@ def measure(family: str, sizes: list[tuple[int, int]], device: str, repeats: int
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = vtdense.create_backbone(name, drop_path_rate=0.0, **overrides).to(device).eval()
+    options = dict(overrides, **(tiny_backbone_options(name) if tiny else {}))
+    model = vtdense.create_backbone(name, drop_path_rate=0.0, **options).to(device).eval()
     compiled = torch.compile(model, dynamic=True, backend=backend)
     xs = [torch.randn(1, 3, *size, device=device) for size in sizes]
     with torch.inference_mode(), _autocast(device):
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--backend", default="inductor")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (0: all cores)")
+    p.add_argument("--tiny", action="store_true", help="a 16-channel, one-block-per-stage backbone (what the test runs)")
     p.add_argument("--json", default="", help="also write the report here")
     args = parsed_with_device(p, argv)
     if args.repeats < 1:
@@ -112,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                               "environment": environment(args.device), "families": {}}
     for family in args.families:
         try:
-            report["families"][family] = measure(family, args.sizes, args.device, args.repeats, args.backend)
+            report["families"][family] = measure(family, args.sizes, args.device, args.repeats, args.backend, tiny=args.tiny)
         except Exception as err:  # one family's failure is reported; the others still run
             report["families"][family] = {"error": error_line(err, 200)}
         print(family, json.dumps(report["families"][family]), flush=True)

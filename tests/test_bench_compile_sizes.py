@@ -15,7 +15,8 @@ import compile_sizes  # noqa: E402
 
 def test_reports_first_calls_recompilation_and_steady_state(capsys: pytest.CaptureFixture[str]) -> None:
     # Dynamo's own capture (backend "eager") keeps it within seconds; both sizes share one graph
-    report = compile_sizes.main(["--families", "swin_t", "--sizes", "64x96", "96x64", "--repeats", "1", "--backend", "eager"])
+    report = compile_sizes.main(["--families", "swin_t", "--sizes", "64x96", "96x64", "--repeats", "1", "--backend", "eager",
+                                 "--tiny"])
     row = report["families"]["swin_t"]
     assert "error" not in row, row
     assert len(row["first call s"]) == 2 and row["graphs/frames at the end"][0] == 1 and not row["recompiled"]

@@ -180,8 +180,11 @@ def test_compiled_training_with_grad_checkpointing_is_one_graph(name: str) -> No
     _assert_compiled_training_is_one_graph_like_eager(name, FIRST + MORE[:1], grad_checkpointing=True)
 
 
+# MViTv2 on the GPU path in its hybrid-window form only, whose blocks from stage 2 on attend globally
+# (each trace of these graphs takes 10-25 s on 2 CPU cores); the global form is compiled on the CPU path
+# by the tests above and below.
 @pytest.mark.parametrize("train", [False, True], ids=["eval", "train"])
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "mvitv2_tiny"])
 def test_gpu_code_path_under_autocast_compiles_to_one_graph_at_changing_sizes(
     name: str, train: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
