@@ -4,10 +4,10 @@ A string given as weights is, in this order:
 
 1. an existing local file: used as is;
 2. a Hub id: ``org/repo`` (``timm/swin_tiny_patch4_window7_224.ms_in1k``), optionally
-   ``org/repo@revision`` (a pull request's ``refs/pr/<n>`` too), or with an explicit prefix ``hf-hub:org/repo[@revision][/file/in/repo]``
-   (timm's spelling; ``hf://`` works too). A name that looks like a file (a checkpoint suffix, a
-   path with more than one ``/``, or one starting with ``.``, ``/`` or ``~``) is taken as a
-   missing local file instead.
+   ``org/repo@revision`` (a pull request's ``refs/pr/<n>`` too), or with an explicit prefix
+   ``hf-hub:org/repo[@revision][/file/in/repo]`` (timm's spelling; ``hf://`` works too). A name
+   that looks like a file (a checkpoint suffix, a path with more than one ``/``, or one starting
+   with ``.``, ``/`` or ``~``) is taken as a missing local file instead.
 
 Hub files are fetched with ``hf_hub_download``, so its cache (``HF_HOME`` / ``HF_HUB_CACHE``),
 offline mode (``HF_HUB_OFFLINE=1``: cache only, no network) and token (``HF_TOKEN`` or
