@@ -16,7 +16,7 @@ import torch
 
 import vtdense
 from vtdense import CheckpointError
-from vtdense.checkpoints.hub import is_hub_id, window_from_hub_config
+from vtdense.checkpoints.hub import _split, is_hub_id, window_from_hub_config
 from vtdense.models.detection import build_detector
 from vtdense.models.segmentation import build_segmentor, encoder_options
 
@@ -84,6 +84,11 @@ def test_a_pull_request_revision_keeps_its_slashes(hub_cache) -> None:  # noqa: 
     _assert_backbone_has(got, main.state_dict())
     with pytest.raises(CheckpointError, match="refs/pr.*incomplete"):
         vtdense.create_backbone("swin_tiny", pretrained="hf-hub:me/prs@refs/pr", **TINY)
+    # huggingface_hub's own hf:// spelling of the revision; a branch named "refs" is still one
+    got = vtdense.create_backbone("swin_tiny", pretrained="hf://me/prs@refs%2Fpr%2F3", **TINY)
+    _assert_backbone_has(got, pr.state_dict())
+    assert _split("hf-hub:me/prs@refs/model.safetensors") == ("me/prs", "refs", "model.safetensors")
+    assert _split("me/data@refs/convert/parquet") == ("me/data", "refs/convert/parquet", None)
 
 
 def test_safetensors_preferred_and_config_read_at_the_same_revision(hub_cache) -> None:  # noqa: F811

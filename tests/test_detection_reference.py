@@ -400,6 +400,6 @@ def test_roi_alignment_options_are_checked_kept_by_old_checkpoints_and_by_export
     assert asked.hparams.roi_aligned and asked.model.roi_heads.box_roi_pool.aligned and asked.model.roi_heads.binary_mask_targets
     lit = DetectionTask.load_from_checkpoint(path, roi_aligned=True, map_location="cpu")  # Lightning's loader too
     assert lit.hparams.roi_aligned and lit.model.roi_heads.box_roi_pool.aligned and not lit.model.roi_heads.binary_mask_targets
-    assert DetectionTask.load_from_checkpoint(path).model.roi_heads.box_roi_pool.aligned is False  # and nothing leaks
+    assert DetectionTask.load_from_checkpoint(path).model.roi_heads.box_roi_pool.aligned is False  # without it: as trained
     with pytest.raises(ValueError, match="opset=15.*opset >= 16"):
         vtdense.export(task.model, tmp_path / "det.onnx", input_size=(64, 64), opset=15)

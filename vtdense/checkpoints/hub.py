@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 __all__ = ["HubCheckpoint", "HubError", "WEIGHT_FILES", "is_hub_id", "log_cpb_windows_from_hub_config", "resolve_checkpoint",
            "window_from_hub_config"]
@@ -32,8 +33,8 @@ WEIGHT_FILES: tuple[str, ...] = ("model.safetensors", "pytorch_model.bin", "mode
 
 _PREFIXES = ("hf-hub:", "hf://")
 _FILE_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".safetensors", ".pkl", ".pyth", ".tar", ".npz")
-#: Revisions that continue past a ``/``: ``refs/pr/<n>`` and ``refs/convert/<name>``.
-_SLASHED_REVISIONS = ("refs",)
+#: ``refs/<kind>/<name>`` revisions, which continue past two ``/``: ``refs/pr/3``, ``refs/convert/parquet``.
+_REF_KINDS = ("pr", "convert", "heads", "tags")
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(@[\w./-]+)?$")
 
 
@@ -76,8 +77,9 @@ def _split(spec: str) -> tuple[str, str | None, str | None]:
     if len(parts) < 2 or not parts[0] or not parts[1]:
         raise HubError(f"{spec!r} is not a Hugging Face Hub id (expected org/repo)")
     name, _, revision = parts[1].partition("@")
+    revision = unquote(revision)  # huggingface_hub's own hf:// paths spell refs/pr/3 as refs%2Fpr%2F3
     rest = parts[2:]
-    if revision in _SLASHED_REVISIONS and rest:
+    if revision == "refs" and rest and rest[0] in _REF_KINDS:
         # the Hub's pull-request and conversion refs hold slashes: refs/pr/<n>, refs/convert/<name>
         if len(rest) < 2 or not rest[1]:
             raise HubError(f"{spec!r}: revision '{revision}/{'/'.join(rest)}' is incomplete (expected e.g. refs/pr/3)")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +85,6 @@ def task_family(cls: type) -> str:
         if c.__module__.startswith("vtdense.tasks.") and c.__name__ != "BaseTask" and hasattr(c, "monitor"):
             return c.__name__
     return cls.__name__
-
-
-#: ``LightningModule.load_from_checkpoint`` arguments that are not the task's own options.
-_LIGHTNING_LOAD_ARGS = frozenset({"map_location", "hparams_file", "strict", "weights_only"})
-#: The options the running ``load_from_checkpoint`` call was given explicitly.
-_EXPLICIT_OPTIONS: ContextVar[dict[str, Any]] = ContextVar("vtdense_explicit_options", default={})
 
 
 def _same_shape_option(a: Any, b: Any) -> bool:
@@ -343,26 +336,6 @@ class BaseTask(LightningModule):
                 f"{where} does not fit this model: it was trained with {', '.join(problems)}; use the same options to "
                 "resume, or load only the backbone with model.backbone_weights"
             )
-
-    @classmethod
-    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        """Lightning's ``load_from_checkpoint``, with one difference: the options given here as
-        keyword arguments count as saved, so they win over the value :meth:`on_load_checkpoint`
-        gives an option the checkpoint predates (e.g. ``roi_aligned=True`` for a detector saved
-        before that option existed, which otherwise loads as it was trained)."""
-        explicit = {k: v for k, v in kwargs.items() if k not in _LIGHTNING_LOAD_ARGS}
-        token = _EXPLICIT_OPTIONS.set(explicit)
-        try:
-            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
-        finally:
-            _EXPLICIT_OPTIONS.reset(token)
-
-    @staticmethod
-    def saved_options(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
-        """The options the checkpoint was saved with, and those its loader gave explicitly
-        (:meth:`load_from_checkpoint` keyword arguments): what an option added in a later release
-        is judged by."""
-        return {**(checkpoint.get("hyper_parameters") or {}), **_EXPLICIT_OPTIONS.get()}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Check that the checkpoint fits; when a fit resumes, restore this rank's generator states."""

@@ -419,7 +419,7 @@ class DetectionTask(BaseTask):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Restore the category tables (and build the model if ``num_classes`` was deferred)."""
         super().on_load_checkpoint(checkpoint)
-        saved = self.saved_options(checkpoint)
+        saved = checkpoint.get("hyper_parameters", {})
         for name in ("roi_aligned", "binary_mask_targets"):  # options added later: as the model was trained
             if name not in saved:
                 self.hparams[name] = False

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -524,7 +525,7 @@ class SegmentationTask(BaseTask):
         goes on as it started.
         """
         super().on_load_checkpoint(checkpoint)
-        saved = self.saved_options(checkpoint)
+        saved = checkpoint.get("hyper_parameters", {})
         if "loss_average" not in saved:
             self.hparams["loss_average"] = "valid"
         if "head_layout" not in saved and self.hparams.get("head_layout") != "smp":
@@ -555,7 +556,13 @@ class SegmentationTask(BaseTask):
         for name, module in self.model.named_modules():
             if isinstance(module, VtdenseEncoder) and module._trimmed:
                 prefix = f"model.{name}.backbone." if name else "model.backbone."
-                unbuilt += [k for k in state if k.startswith(prefix) and k not in own]
+                built = module._depth - 1  # stages 1..depth-1: (layers|stages).0 .. built-1, out_norms.stage1 ..
+                for k in state:
+                    if not k.startswith(prefix) or k in own:
+                        continue
+                    stage = re.match(r"(?:layers|stages)\.(\d+)\.|out_norms\.stage(\d+)\.", k[len(prefix):])
+                    if stage and (int(stage[1]) if stage[1] is not None else int(stage[2]) - 1) >= built:
+                        unbuilt.append(k)
         if not unbuilt:
             return
         t = self._trainer
