@@ -155,6 +155,43 @@ def test_in_channels_rebuilds_the_backbone() -> None:
         assert model.eval()(torch.randn(1, 4, 64, 64)).shape == (1, 2, 64, 64)
 
 
+@pytest.mark.parametrize("in_channels", [1, 4])
+def test_in_channels_keeps_loaded_weights_and_adapts_the_patch_embedding_as_smp(tmp_path, in_channels: int) -> None:  # noqa: ANN001
+    """``in_channels`` != 3 keeps the weights already loaded (``backbone_weights``, or what SMP loads
+    from ``encoder_weights`` before it calls ``set_in_channels``), with the patch embedding adapted
+    as SMP's ``patch_first_conv`` adapts a first conv."""
+    import copy
+
+    from segmentation_models_pytorch.encoders._utils import patch_first_conv
+
+    from vtdense.models.segmentation import VtdenseEncoder
+
+    src = vtdense.create_backbone("mvitv2_tiny", **TINY["mvitv2"])
+    with torch.no_grad():
+        for p in src.parameters():
+            p.add_(torch.randn_like(p))
+    want = copy.deepcopy(src)
+    patch_first_conv(want, in_channels, pretrained=True)
+    expected = want.state_dict()
+    path = tmp_path / "bb.pth"
+    torch.save(src.state_dict(), path)
+    model = build_segmentor("upernet", "mvitv2_tiny", 3, backbone_kwargs=TINY["mvitv2"], backbone_weights=str(path),
+                            in_channels=in_channels, decoder_channels=16)
+    smp_path = VtdenseEncoder("mvitv2_tiny", **TINY["mvitv2"])
+    smp_path.load_state_dict(src.state_dict())  # SMP's encoder_weights: loaded, then set_in_channels(pretrained=True)
+    smp_path.set_in_channels(in_channels, pretrained=True)
+    for encoder in (model.encoder, smp_path):
+        got = encoder.backbone.state_dict()
+        assert got["patch_embed.proj.weight"].shape[1] == in_channels
+        for k, v in expected.items():
+            torch.testing.assert_close(got[k], v, msg=k)
+    with torch.no_grad():
+        assert model.eval()(torch.randn(1, in_channels, 64, 64)).shape == (1, 3, 64, 64)
+    fresh = VtdenseEncoder("mvitv2_tiny", **TINY["mvitv2"])
+    fresh.set_in_channels(in_channels, pretrained=False)  # nothing loaded: a new random backbone
+    assert fresh.backbone.state_dict()["patch_embed.proj.weight"].shape[1] == in_channels
+
+
 def test_local_weights_are_loaded(tmp_path) -> None:
     src = vtdense.create_backbone("swinv2_tiny", **TINY["swinv2"])
     with torch.no_grad():

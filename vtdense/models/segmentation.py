@@ -31,6 +31,7 @@ from typing import Any
 import segmentation_models_pytorch as smp
 from segmentation_models_pytorch.encoders import encoders as _SMP_ENCODERS
 from segmentation_models_pytorch.encoders._base import EncoderMixin
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -140,6 +141,18 @@ class _HubWeights(Mapping):
 
     def __deepcopy__(self, memo: dict) -> "_HubWeights":
         return self
+
+
+def _adapt_input_conv(name: str, weight: Tensor, shape: torch.Size, in_channels: int) -> Tensor:
+    """An RGB input conv's ``weight`` ``(O, 3, kh, kw)`` for ``in_channels`` inputs ``(O, in_channels,
+    kh, kw)``: the sum over RGB for 1 channel, else RGB repeated cyclically, scaled by ``3 / in_channels``
+    (what SMP's ``patch_first_conv`` and timm's ``adapt_input_conv`` give)."""
+    if weight.ndim != 4 or weight.shape[1] != 3 or tuple(shape) != (weight.shape[0], in_channels, *weight.shape[2:]):
+        raise ValueError(f"cannot adapt {name} {tuple(weight.shape)} to {tuple(shape)} for in_channels={in_channels}")
+    if in_channels == 1:
+        return weight.sum(dim=1, keepdim=True)
+    index = torch.arange(in_channels, device=weight.device) % 3
+    return weight[:, index] * (3 / in_channels)
 
 
 class VtdenseEncoder(nn.Module, EncoderMixin):
@@ -254,10 +267,25 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
         return int(getattr(self.backbone, "size_divisibility", 32))
 
     def set_in_channels(self, in_channels: int, pretrained: bool = True) -> None:
-        """Rebuild the backbone for ``in_channels`` input channels (SMP calls this after ``__init__``)."""
+        """Rebuild the backbone for ``in_channels`` input channels (SMP calls this after ``__init__``
+        and after loading ``encoder_weights``). Weights already loaded (SMP's ``encoder_weights``,
+        or ``weights``) are kept, the patch embedding's adapted as SMP and timm adapt a first conv:
+        summed over the RGB channels for 1 channel, else repeated cyclically and scaled by
+        ``3 / in_channels``."""
         if in_channels == self._in_channels:
             return
-        self.backbone = self._build_backbone({**self._backbone_options, "in_chans": in_channels})
+        keep = (pretrained or self._weights is not None) and self._in_channels == 3
+        old = self.backbone.state_dict() if keep else None
+        weights, self._weights = self._weights, None  # the file holds the 3-channel form: adapted below
+        try:
+            self.backbone = self._build_backbone({**self._backbone_options, "in_chans": in_channels})
+        finally:
+            self._weights = weights
+        if old is not None:
+            new = self.backbone.state_dict()
+            state = {k: _adapt_input_conv(k, v, new[k].shape, in_channels) if v.shape != new[k].shape else v
+                     for k, v in old.items()}
+            self.backbone.load_state_dict(state, strict=True)
         self._in_channels = in_channels
         self._out_channels[0] = in_channels
 
