@@ -22,6 +22,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = [
     "SKIP_REPORT_NAME",
     "BadSampleError",
@@ -125,12 +130,18 @@ def append_skip_record(path: str | os.PathLike[str], record: dict[str, Any]) -> 
     One short ``write`` in append mode, so lines from several worker processes do not interleave.
     """
     path = Path(path)
-    if path.is_file():
-        key = (record.get("file"), record.get("reason"))
-        if any((r.get("file"), r.get("reason")) == key for r in read_skip_report(path)):
-            return
+    key = (record.get("file"), record.get("reason"))
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, default=str) + "\n")
+        if fcntl is not None:  # the check and the write as one step among processes (DataLoader workers)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            if any((r.get("file"), r.get("reason")) == key for r in read_skip_report(path)):
+                return
+            f.write(json.dumps(record, default=str) + "\n")
+            f.flush()
+        finally:
+            if fcntl is not None:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 class SkipOnBadSample:
