@@ -549,20 +549,15 @@ class SegmentationTask(BaseTask):
         build: their (untrained) weights are dropped for evaluation and prediction; a resume, whose
         optimiser state counts them, is refused with the option that builds them."""
         state = checkpoint.get("state_dict")
-        if not state or self.model is None:
+        encoder = getattr(self.model, "encoder", None)
+        if not state or not isinstance(encoder, VtdenseEncoder) or not encoder._trimmed:
             return
-        own = self.state_dict()
+        built = encoder._depth - 1  # stages 1..depth-1: (layers|stages).0 .. built-1, out_norms.stage1 ..
         unbuilt = []
-        for name, module in self.model.named_modules():
-            if isinstance(module, VtdenseEncoder) and module._trimmed:
-                prefix = f"model.{name}.backbone." if name else "model.backbone."
-                built = module._depth - 1  # stages 1..depth-1: (layers|stages).0 .. built-1, out_norms.stage1 ..
-                for k in state:
-                    if not k.startswith(prefix) or k in own:
-                        continue
-                    stage = re.match(r"(?:layers|stages)\.(\d+)\.|out_norms\.stage(\d+)\.", k[len(prefix):])
-                    if stage and (int(stage[1]) if stage[1] is not None else int(stage[2]) - 1) >= built:
-                        unbuilt.append(k)
+        for k in state:
+            stage = re.match(r"(?:layers|stages)\.(\d+)\.|out_norms\.stage(\d+)\.", k[len(_BACKBONE_PREFIX):])
+            if k.startswith(_BACKBONE_PREFIX) and stage and (int(stage[1]) if stage[1] else int(stage[2]) - 1) >= built:
+                unbuilt.append(k)
         if not unbuilt:
             return
         t = self._trainer
