@@ -571,3 +571,30 @@ def test_a_tensor_stored_under_two_keys_is_reported_under_the_key_it_loads_from(
     assert "patch_embed.proj.weight" not in dropped
     assert dropped["ema.patch_embed.proj.weight"] == "the same tensor as patch_embed.proj.weight, loaded"
     assert torch.equal(dst.patch_embed.proj.weight, sd["patch_embed.proj.weight"])
+
+
+@pytest.mark.parametrize("in_chans", [1, 2, 4])
+@pytest.mark.parametrize("family", ["swin", "mvitv2"])
+def test_an_rgb_checkpoint_loads_into_other_input_channels_as_timm_adapts_it(family: str, in_chans: int, tmp_path: Path) -> None:
+    from timm.models import adapt_input_conv
+
+    name, kwargs = ("swin_tiny", SWIN) if family == "swin" else ("mvitv2_tiny", MVIT)
+    src = randomize_(vtdense.create_backbone(name, **kwargs), seed=3)
+    dst = vtdense.create_backbone(name, **kwargs, in_chans=in_chans)
+    report = vtdense.load_pretrained(dst, src.state_dict())
+    key = "patch_embed.proj.weight"
+    expected = adapt_input_conv(in_chans, src.state_dict()[key])
+    assert dst.state_dict()[key].shape[1] == in_chans
+    torch.testing.assert_close(dst.state_dict()[key], expected, rtol=0, atol=0)
+    for k, v in src.state_dict().items():
+        if k != key:
+            assert torch.equal(dst.state_dict()[k], v), k
+    assert [(k, old, new) for k, old, new, _ in report.resized] == [(key, tuple(src.state_dict()[key].shape), tuple(expected.shape))]
+    assert f"in_chans={in_chans}" in report.summary()
+    vtdense.save_backbone(src, tmp_path / "rgb.safetensors")  # the same through load_backbone's overrides
+    again = vtdense.load_backbone(tmp_path / "rgb.safetensors", in_chans=in_chans)
+    assert torch.equal(again.state_dict()[key], expected)
+    # a 2-channel checkpoint is no RGB one: one error naming the key, not a guess
+    two = vtdense.create_backbone(name, **kwargs, in_chans=2)
+    with pytest.raises(CheckpointError, match="patch_embed.proj.weight: checkpoint .*2.* vs model .*4"):
+        vtdense.load_pretrained(vtdense.create_backbone(name, **kwargs, in_chans=4), two.state_dict())

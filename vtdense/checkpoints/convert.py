@@ -34,6 +34,7 @@ from typing import Callable, Mapping
 import torch
 from torch import Tensor, nn
 
+from vtdense.checkpoints.adapt import adapt_input_conv
 from vtdense.checkpoints.io import SAFETENSORS_CONFIG_KEY, CheckpointError, read_checkpoint, write_safetensors
 from vtdense.checkpoints.report import LoadReport, note, note_derived, note_resized
 
@@ -516,7 +517,10 @@ def load_pretrained(
             through ``huggingface_hub`` (its cache, ``HF_HUB_OFFLINE`` and token apply).
         strict: raise :class:`CheckpointError` listing missing and unexpected keys when the
             checkpoint does not fit (output norms absent from classification checkpoints are
-            tolerated and keep their initialisation).
+            tolerated and keep their initialisation). A model built with ``in_chans`` other than
+            3 takes an RGB checkpoint's patch embedding ``(C, 3, p, p)`` adapted as timm does it,
+            into ``(C, in_chans, p, p)``: summed over RGB for 1 channel, else RGB repeated
+            cyclically and scaled by ``3 / in_chans`` (listed under ``resized``).
         log: log :meth:`LoadReport.summary` on the ``vtdense.checkpoints`` logger (INFO).
 
     Returns:
@@ -542,9 +546,10 @@ def _load_read(model: nn.Module, obj: object, report: LoadReport, *, strict: boo
     origin: dict[int, list[str]] = {}  # a tensor may be stored under several keys
     for key, value in raw.items():
         origin.setdefault(id(value), []).append(key)
+    own = model.state_dict()
     with report:
         sd = _CONVERTERS[_family(model)](raw, model)
-    own = model.state_dict()
+        _adapt_input_channels(sd, own)
     shape_errors = [f"{k}: checkpoint {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in sd.items() if k in own and own[k].shape != v.shape]
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
@@ -586,6 +591,24 @@ def _load_read(model: nn.Module, obj: object, report: LoadReport, *, strict: boo
     if log:
         _logger.info("%s", report.summary())
     return report
+
+
+_INPUT_CONV = "patch_embed.proj.weight"  # every family's first layer
+
+
+def _adapt_input_channels(sd: dict[str, Tensor], own: Mapping[str, Tensor]) -> None:
+    """An RGB checkpoint loaded into a backbone built with another ``in_chans``: its patch
+    embedding adapted in place of ``sd`` as timm's ``adapt_input_conv`` does (summed for 1 channel,
+    else repeated cyclically and scaled by ``3 / in_chans``); any other misfit is left to the caller."""
+    weight, target = sd.get(_INPUT_CONV), own.get(_INPUT_CONV)
+    if weight is None or target is None or weight.shape == target.shape:
+        return
+    if weight.ndim != 4 or weight.shape[1] != 3 or target.shape[:1] + target.shape[2:] != weight.shape[:1] + weight.shape[2:]:
+        return
+    in_chans = target.shape[1]
+    sd[_INPUT_CONV] = adapted = adapt_input_conv(_INPUT_CONV, weight, target.shape, in_chans)
+    how = "summed over RGB" if in_chans == 1 else f"RGB repeated cyclically, scaled by 3/{in_chans}"
+    note_resized(_INPUT_CONV, weight, adapted, f"in_chans={in_chans} from an RGB checkpoint: {how}")
 
 
 def _source_key(keys: list[str] | None, target: str) -> str | None:

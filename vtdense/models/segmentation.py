@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from vtdense.backbones.registry import create_backbone, list_backbones
+from vtdense.checkpoints.adapt import adapt_input_conv
 
 __all__ = [
     "ENCODER_PREFIX",
@@ -141,18 +142,6 @@ class _HubWeights(Mapping):
 
     def __deepcopy__(self, memo: dict) -> "_HubWeights":
         return self
-
-
-def _adapt_input_conv(name: str, weight: Tensor, shape: torch.Size, in_channels: int) -> Tensor:
-    """An RGB input conv's ``weight`` ``(O, 3, kh, kw)`` for ``in_channels`` inputs ``(O, in_channels,
-    kh, kw)``: the sum over RGB for 1 channel, else RGB repeated cyclically, scaled by ``3 / in_channels``
-    (what SMP's ``patch_first_conv`` and timm's ``adapt_input_conv`` give)."""
-    if weight.ndim != 4 or weight.shape[1] != 3 or tuple(shape) != (weight.shape[0], in_channels, *weight.shape[2:]):
-        raise ValueError(f"cannot adapt {name} {tuple(weight.shape)} to {tuple(shape)} for in_channels={in_channels}")
-    if in_channels == 1:
-        return weight.sum(dim=1, keepdim=True)
-    index = torch.arange(in_channels, device=weight.device) % 3
-    return weight[:, index] * (3 / in_channels)
 
 
 class VtdenseEncoder(nn.Module, EncoderMixin):
@@ -283,7 +272,7 @@ class VtdenseEncoder(nn.Module, EncoderMixin):
             self._weights = weights
         if old is not None:
             new = self.backbone.state_dict()
-            state = {k: _adapt_input_conv(k, v, new[k].shape, in_channels) if v.shape != new[k].shape else v
+            state = {k: adapt_input_conv(k, v, new[k].shape, in_channels) if v.shape != new[k].shape else v
                      for k, v in old.items()}
             self.backbone.load_state_dict(state, strict=True)
         self._in_channels = in_channels
