@@ -598,3 +598,51 @@ def test_an_rgb_checkpoint_loads_into_other_input_channels_as_timm_adapts_it(fam
     two = vtdense.create_backbone(name, **kwargs, in_chans=2)
     with pytest.raises(CheckpointError, match="patch_embed.proj.weight: checkpoint .*2.* vs model .*4"):
         vtdense.load_pretrained(vtdense.create_backbone(name, **kwargs, in_chans=4), two.state_dict())
+
+
+def _official_swinv2_file(src: torch.nn.Module, path: Path) -> Path:
+    """A timm Swin V2 in the official release layout (merging ends a stage), with the per-block
+    ``relative_coords_table`` / ``relative_position_index`` buffers the official code persists."""
+    sd = {re.sub(r"^layers\.(\d+)\.downsample", lambda m: f"layers.{int(m[1]) - 1}.downsample", k): v for k, v in src.state_dict().items()}
+    for name, module in src.named_modules():
+        if isinstance(getattr(module, "relative_coords_table", None), torch.Tensor):
+            sd[f"{name}.relative_coords_table"] = module.relative_coords_table
+            sd[f"{name}.relative_position_index"] = module.relative_position_index
+    torch.save({"model": sd}, path)
+    return path
+
+
+@pytest.mark.parametrize("pretrained_windows", [(0, 0, 0, 0), (12, 12, 12, 6)], ids=["own", "fixed"])
+def test_an_official_swinv2_file_sets_the_pretrained_window_its_buffers_record(tmp_path: Path, pretrained_windows: tuple) -> None:
+    """Official Swin V2 files carry no config, but their Log-CPB buffers say which window normalised
+    the coordinates: fine-tuned at a larger window, vtdense gives what timm gives with the
+    checkpoint's windows as ``pretrained_window_sizes`` (window 8 files; a window12to16-like file
+    whose last stage was normalised by 6)."""
+    small = dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4))
+    window = 8 if pretrained_windows[0] == 0 else 12
+    timm_v2 = lambda w, pws: timm.create_model(  # noqa: E731
+        "swinv2_tiny_window8_256", pretrained=False, num_classes=0, window_size=w, pretrained_window_sizes=pws, **small)
+    src = randomize_(timm_v2(window, pretrained_windows), seed=5, std=0.3).eval()
+    path = _official_swinv2_file(src, tmp_path / "official.pth")
+    expected = (8,) * 4 if pretrained_windows[0] == 0 else pretrained_windows
+    ref = timm_v2(16, expected).eval()
+    ref.load_state_dict(src.state_dict(), strict=False)  # buffers recomputed for window 16; no table to resize
+    ours = vtdense.create_backbone("swinv2_tiny", pretrained=str(path), **small, window_size=16, out_norm=False).eval()
+    assert [tuple(s.blocks[0].attn.pretrained_window_size) for s in ours.layers] == [(p, p) for p in expected]
+    assert any("set from the checkpoint" in n for n in ours.load_report.notes), ours.load_report.notes
+    x = torch.randn(1, 3, 256, 256)
+    with torch.no_grad():
+        got = list(ours(x).values())
+        want = ref.forward_intermediates(x, indices=4, norm=False, intermediates_only=True)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    # loaded into a model left at 0: the note says what to pass
+    plain = vtdense.create_backbone("swinv2_tiny", **small, window_size=16)
+    report = vtdense.load_pretrained(plain, path)
+    assert any(f"pass pretrained_window_size={expected[0] if len(set(expected)) == 1 else '(12, 12, 12, 6)'}" in n for n in report.notes), report.notes
+    # buffers that are no reference table say nothing (and the load goes on as before)
+    bad = torch.load(path, weights_only=True)
+    bad["model"] = {k: (torch.rand_like(v) if k.endswith("relative_coords_table") else v) for k, v in bad["model"].items()}
+    torch.save(bad, tmp_path / "bad.pth")
+    assert vtdense.create_backbone("swinv2_tiny", pretrained=str(tmp_path / "bad.pth"), **small,
+                                   window_size=window).load_report.source_log_cpb_windows is None

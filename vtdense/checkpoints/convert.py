@@ -480,9 +480,31 @@ def _window_notes(report: LoadReport, model: nn.Module) -> None:
     )
 
 
+def _source_windows_from_buffers(report: LoadReport, obj: object) -> None:
+    """Swin V2 windows from the checkpoint's own Log-CPB buffers (official and torchvision files
+    persist them), where neither a vtdense config nor a Hub name gave them."""
+    if report.source_log_cpb_windows is not None:
+        return
+    from vtdense.checkpoints.log_cpb import log_cpb_windows_from_buffers
+
+    try:
+        raw = _unwrap(obj, report.source)
+    except CheckpointError:
+        return  # the load itself says why
+    found = log_cpb_windows_from_buffers(raw)
+    if found is None:
+        return
+    in_use, normalising = found
+    report.source_log_cpb_windows = normalising
+    report.source_log_cpb_fixed = normalising != in_use
+    if report.source_window is None:
+        report.source_window = (max(h for h, _ in in_use), max(w for _, w in in_use))
+
+
 def _read_source(state_dict_or_path: object, report: LoadReport) -> object:
     """Resolve a path / Hub id and read it; fills the report's source fields."""
     if not isinstance(state_dict_or_path, (str, os.PathLike)):
+        _source_windows_from_buffers(report, state_dict_or_path)
         return state_dict_or_path
     from vtdense.checkpoints.hub import HubError, resolve_checkpoint
 
@@ -496,6 +518,7 @@ def _read_source(state_dict_or_path: object, report: LoadReport) -> object:
     report.container = file.container
     report.source_config = file.vtdense_config or where.config
     _source_windows(report, file.vtdense_config, where.config)
+    _source_windows_from_buffers(report, file.obj)
     return file.obj
 
 
