@@ -557,6 +557,31 @@ def test_swin_v1_tables_of_windows_shrunk_to_small_maps_keep_their_values() -> N
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_swin_v1_non_square_windows_load_as_timm_and_from_vtdense_files(tmp_path: Path) -> None:
+    """A timm Swin at window (7, 14) on 224 px shrinks the last stage's to 7x7 and sizes its table
+    for that: loaded at the same window, the table goes to the centre of the 7x14 one and the
+    features are timm's (it was stretched, 0.05 off). A vtdense file saved at (7, 14) reloads with
+    another window: its config gives the tables' window, which their row count cannot."""
+    from timm.models.swin_transformer import SwinTransformer as TimmSwin
+
+    cfg = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=(7, 14))
+    ref = randomize_(TimmSwin(img_size=224, num_classes=0, **cfg), seed=8).eval()
+    ours = vtdense.create_backbone("swin_tiny", out_norm=False, pretrained=ref.state_dict(), **cfg).eval()
+    (key, old, new, why), = ours.load_report.resized
+    assert key == "layers.3.blocks.0.attn.relative_position_bias_table" and old == (169, 1) and new == (351, 1) and "centre" in why
+    x = torch.randn(1, 3, 224, 224)
+    with torch.no_grad():
+        for want, got in zip(ref.forward_intermediates(x, intermediates_only=True), ours(x).values()):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    path = vtdense.save_backbone(ours, tmp_path / "w7x14.safetensors")
+    wider = vtdense.load_backbone(path, window_size=14)
+    table = "layers.0.blocks.0.attn.relative_position_bias_table"
+    from vtdense.layers.position import resize_bias_table
+
+    torch.testing.assert_close(wider.state_dict()[table], resize_bias_table(ours.state_dict()[table], (7, 14), (14, 14)))
+    assert all("window 7x14 -> 14x14 (bicubic)" in why for *_, why in wider.load_report.resized)
+
+
 def test_a_tensor_stored_under_two_keys_is_reported_under_the_key_it_loads_from() -> None:
     """A checkpoint holding one tensor under two keys (its own and an alias the model lacks): the
     report says it loaded from its own key and names the alias as the same tensor, instead of

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from vtdense.checkpoints.adapt import adapt_input_conv
 from vtdense.checkpoints.io import SAFETENSORS_CONFIG_KEY, CheckpointError, read_checkpoint, write_safetensors
-from vtdense.checkpoints.report import LoadReport, note, note_derived, note_resized
+from vtdense.checkpoints.report import LoadReport, active_report, note, note_derived, note_resized
 
 __all__ = [
     "CheckpointError",
@@ -124,10 +124,7 @@ def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
     sd = {re.sub(r"^norm(\d)\.", lambda m: f"out_norms.stage{int(m[1]) + 1}.", k): v for k, v in sd.items()}
     own = model.state_dict()
     built = len(model.layers)
-    # the checkpoint's nominal window: its largest bias table (timm sizes a stage's table for a window
-    # shrunk to a map smaller than the nominal one, at the image size it was built for)
-    sides = [round(v.shape[0] ** 0.5) for k, v in sd.items() if k.endswith("relative_position_bias_table")]
-    nominal = (max(sides) + 1) // 2 if sides else 0
+    nominal = _nominal_window([v.shape[0] for k, v in sd.items() if k.endswith("relative_position_bias_table")], tuple(model.window_size))
     out = {}
     for k, v in sd.items():
         if _DROP.search(k):
@@ -145,20 +142,19 @@ def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
                 note_derived(k.replace("qkv.bias", part), "a third of the checkpoint's qkv.bias (Swin V2 has no k bias)", v)
             continue
         if k.endswith("relative_position_bias_table") and k in own and own[k].shape != v.shape:
-            new = model.window_size
-            old_side = int(round(v.shape[0] ** 0.5))
-            if old_side * old_side != v.shape[0] or old_side % 2 == 0:
+            new = tuple(model.window_size)
+            old = _table_window(v.shape[0], nominal)
+            if old is None:
                 # a flat table does not say which non-square window it was made for (77 rows: 4x6 or 6x4)
                 raise CheckpointError(
                     f"{k}: a bias table of {v.shape[0]} rows is not one of a square window ((2w-1)^2 rows), and its "
                     f"row count does not say which non-square window made it; this model's window is "
                     f"{new[0]}x{new[1]}: build the model with the checkpoint's window_size to load it")
-            old = ((old_side + 1) // 2, (old_side + 1) // 2)
-            if tuple(new) == (nominal, nominal) and old[0] < nominal:
+            if new == nominal and old != nominal and old[0] <= nominal[0] and old[1] <= nominal[1]:
                 # a window shrunk to a small map: the offsets it learned are the centre of the nominal
                 # table, where this model reads them at that map size; the offsets it never saw start at 0
                 resized = centre_bias_table(v, old, new)
-                why = f"Swin V1 bias table of a window shrunk to {old[0]}x{old[1]} in a {nominal}x{nominal} model: placed at the centre of the {new[0]}x{new[1]} table, the offsets it never saw at 0"
+                why = f"Swin V1 bias table of a window shrunk to {old[0]}x{old[1]} in a {nominal[0]}x{nominal[1]} model: placed at the centre of the {new[0]}x{new[1]} table, the offsets it never saw at 0"
             else:
                 resized = resize_bias_table(v, old, new)
                 why = f"Swin V1 bias table, window {old[0]}x{old[1]} -> {new[0]}x{new[1]} (bicubic)"
@@ -166,6 +162,41 @@ def _convert_swin(sd: dict[str, Tensor], model: nn.Module) -> dict[str, Tensor]:
             v = resized
         out[k] = v
     return out
+
+
+def _rows(window: tuple[int, int]) -> int:
+    return (2 * window[0] - 1) * (2 * window[1] - 1)
+
+
+def _nominal_window(rows: list[int], model_window: tuple[int, int]) -> tuple[int, int] | None:
+    """The window a Swin V1 checkpoint was built for: the one its load report knows (a vtdense
+    config, a Hub name), else the model's when its largest bias table has that window's row count,
+    else the square window of that table (timm sizes a stage's table for a window shrunk to a map
+    smaller than the nominal one, so the largest table is the nominal window's)."""
+    report = active_report()
+    if report is not None and report.source_window is not None:
+        return tuple(report.source_window)
+    if not rows:
+        return None
+    if max(rows) == _rows(model_window):
+        return model_window
+    side = round(max(rows) ** 0.5)
+    return ((side + 1) // 2,) * 2 if side * side == max(rows) and side % 2 else None
+
+
+def _table_window(rows: int, nominal: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Which window a V1 bias table of ``rows`` rows was made for: the nominal window, a square
+    one, or the one window shrunk from the nominal window (each side at most the nominal one's)
+    with that row count; ``None`` where that is not known."""
+    if nominal is not None and rows == _rows(nominal):
+        return nominal
+    side = round(rows**0.5)
+    if side * side == rows and side % 2:
+        return ((side + 1) // 2,) * 2
+    if nominal is None:
+        return None
+    shrunk = [(h, w) for h in range(1, nominal[0] + 1) for w in range(1, nominal[1] + 1) if _rows((h, w)) == rows]
+    return shrunk[0] if len(shrunk) == 1 else None
 
 
 def _from_torchvision_swin(sd: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -6,7 +6,7 @@ import contextvars
 import re
 from typing import Any
 
-__all__ = ["LoadReport", "note_resized", "note_derived"]
+__all__ = ["LoadReport", "active_report", "note_resized", "note_derived"]
 
 _ACTIVE: contextvars.ContextVar["LoadReport | None"] = contextvars.ContextVar("vtdense_load_report", default=None)
 
@@ -119,6 +119,11 @@ def _group(items: list[tuple[str, str]]) -> list[tuple[str, str]]:
         pattern = re.sub(r"\.\d+\.", ".*.", re.sub(r"\.\d+\.", ".*.", key))
         groups[(pattern, why)] = groups.get((pattern, why), 0) + 1
     return [(f"{p} (x{n})" if n > 1 else p, why) for (p, why), n in groups.items()]
+
+
+def active_report() -> LoadReport | None:
+    """The report of the load in progress (converters read its ``source_window``); ``None`` outside a load."""
+    return _ACTIVE.get()
 
 
 def note_resized(key: str, old: Any, new: Any, why: str) -> None:
