@@ -671,3 +671,22 @@ def test_an_official_swinv2_file_sets_the_pretrained_window_its_buffers_record(t
     torch.save(bad, tmp_path / "bad.pth")
     assert vtdense.create_backbone("swinv2_tiny", pretrained=str(tmp_path / "bad.pth"), **small,
                                    window_size=window).load_report.source_log_cpb_windows is None
+
+
+def test_a_checkpoint_of_another_family_is_named_in_the_error(tmp_path: Path) -> None:
+    v1, v2 = (vtdense.create_backbone(n, **SWIN) for n in ("swin_tiny", "swinv2_tiny"))
+    mvit = vtdense.create_backbone("mvitv2_tiny", **MVIT)
+    torch.save(v1.state_dict(), tmp_path / "v1.pth")
+    with pytest.raises(CheckpointError, match=r"(?s)v1\.pth does not fit.*keys are those of a Swin V1 model: load it into a swin_\* backbone"):
+        vtdense.load_pretrained(v2, tmp_path / "v1.pth")
+    with pytest.raises(CheckpointError, match="keys are those of a Swin V2 model: load it into a swinv2_"):
+        vtdense.load_pretrained(v1, v2.state_dict())
+    with pytest.raises(CheckpointError, match="keys are those of an MViTv2 model: load it into an mvitv2_"):
+        vtdense.load_pretrained(v1, mvit.state_dict())
+    with pytest.raises(CheckpointError, match="keys are those of a Swin V1 model") as caught:
+        vtdense.load_pretrained(mvit, v1.state_dict())
+    # a checkpoint of the right family that does not fit gets no such line
+    deeper = vtdense.create_backbone("swin_tiny", **{**SWIN, "depths": (1, 1, 3, 1)})
+    with pytest.raises(CheckpointError) as caught:
+        vtdense.load_pretrained(v1, deeper.state_dict())
+    assert "keys are those of" not in str(caught.value)

@@ -617,6 +617,9 @@ def _load_read(model: nn.Module, obj: object, report: LoadReport, *, strict: boo
             lines.append(f"  unexpected keys ({len(unexpected)}): {', '.join(unexpected[:20])}{' ...' if len(unexpected) > 20 else ''}")
         if shape_errors:
             lines.append(f"  shape mismatches ({len(shape_errors)}): {'; '.join(shape_errors[:10])}")
+        hint = _family_hint(raw, own)
+        if hint:
+            lines.append(f"  {hint}")
         raise CheckpointError("\n".join(lines))
     fitting = {k: v for k, v in sd.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(fitting, strict=False)
@@ -663,6 +666,27 @@ def _adapt_input_channels(sd: dict[str, Tensor], own: Mapping[str, Tensor]) -> N
     sd[_INPUT_CONV] = adapted = adapt_input_conv(_INPUT_CONV, weight, target.shape, in_chans)
     how = "summed over RGB" if in_chans == 1 else f"RGB repeated cyclically, scaled by 3/{in_chans}"
     note_resized(_INPUT_CONV, weight, adapted, f"in_chans={in_chans} from an RGB checkpoint: {how}")
+
+
+# keys only one family has: (family, what to build, key pattern)
+_FAMILY_KEYS = (
+    ("a Swin V2", "a swinv2_* backbone", re.compile(r"(cpb_mlp|logit_scale)")),
+    ("a Swin V1", "a swin_* backbone (Swin V1)", re.compile(r"relative_position_bias_table")),
+    ("an MViTv2", "an mvitv2_* backbone", re.compile(r"(rel_pos_h|pool_q|pool_k)")),
+)
+
+
+def _family_hint(raw: Mapping[str, Tensor], own: Mapping[str, Tensor]) -> str | None:
+    """One line naming the family a checkpoint that does not fit was made for, where its keys say
+    so and the model is of another (a Swin V1 file loaded into a Swin V2 backbone)."""
+    def families(keys: object) -> list[tuple[str, str]]:
+        return [(name, build) for name, build, pattern in _FAMILY_KEYS if any(pattern.search(k) for k in keys)]
+
+    theirs, ours = families(raw), families(own)
+    if len(theirs) != 1 or theirs == ours:
+        return None
+    name, build = theirs[0]
+    return f"the checkpoint's keys are those of {name} model: load it into {build}"
 
 
 def _source_key(keys: list[str] | None, target: str) -> str | None:
