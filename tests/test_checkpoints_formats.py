@@ -540,21 +540,29 @@ def test_swin_v1_tables_of_windows_shrunk_to_small_maps_keep_their_values() -> N
     vtdense Swin, that table goes to the centre of the 6x6 one, so at the size the checkpoint
     was made for the features are timm's (a bicubic resize, right for a real change of window,
     stretched it: 0.08 off)."""
+    _last_table_centred_as_timm(6, 96, 25, 121)
+
+
+def _last_table_centred_as_timm(window: int | tuple[int, int], img: int, old_rows: int, new_rows: int) -> torch.nn.Module:
+    """A timm Swin V1 at ``window`` on ``img`` px whose last stage's table timm sized for a shrunk
+    window (``old_rows``), loaded at the same window: that table is centred in the model's
+    (``new_rows``), and the features are timm's. Returns the vtdense model."""
     from timm.models.swin_transformer import SwinTransformer as TimmSwin
 
-    cfg = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=6)
-    ref = randomize_(TimmSwin(img_size=96, num_classes=0, **cfg), seed=8).eval()
+    cfg = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=window)
+    ref = randomize_(TimmSwin(img_size=img, num_classes=0, **cfg), seed=8).eval()
     with torch.no_grad():
         for name, p in ref.named_parameters():
             if name.endswith("relative_position_bias_table"):
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
     ours = vtdense.create_backbone("swin_tiny", out_norm=False, pretrained=ref.state_dict(), **cfg).eval()
     (key, old, new, why), = ours.load_report.resized
-    assert key == "layers.3.blocks.0.attn.relative_position_bias_table" and old == (25, 1) and new == (121, 1) and "centre" in why
-    x = torch.randn(1, 3, 96, 96)
+    assert key == "layers.3.blocks.0.attn.relative_position_bias_table" and old == (old_rows, 1) and new == (new_rows, 1) and "centre" in why
+    x = torch.randn(1, 3, img, img)
     with torch.no_grad():
         for want, got in zip(ref.forward_intermediates(x, intermediates_only=True), ours(x).values()):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    return ours
 
 
 def test_swin_v1_non_square_windows_load_as_timm_and_from_vtdense_files(tmp_path: Path) -> None:
@@ -562,17 +570,7 @@ def test_swin_v1_non_square_windows_load_as_timm_and_from_vtdense_files(tmp_path
     for that: loaded at the same window, the table goes to the centre of the 7x14 one and the
     features are timm's (it was stretched, 0.05 off). A vtdense file saved at (7, 14) reloads with
     another window: its config gives the tables' window, which their row count cannot."""
-    from timm.models.swin_transformer import SwinTransformer as TimmSwin
-
-    cfg = dict(embed_dim=16, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1), window_size=(7, 14))
-    ref = randomize_(TimmSwin(img_size=224, num_classes=0, **cfg), seed=8).eval()
-    ours = vtdense.create_backbone("swin_tiny", out_norm=False, pretrained=ref.state_dict(), **cfg).eval()
-    (key, old, new, why), = ours.load_report.resized
-    assert key == "layers.3.blocks.0.attn.relative_position_bias_table" and old == (169, 1) and new == (351, 1) and "centre" in why
-    x = torch.randn(1, 3, 224, 224)
-    with torch.no_grad():
-        for want, got in zip(ref.forward_intermediates(x, intermediates_only=True), ours(x).values()):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    ours = _last_table_centred_as_timm((7, 14), 224, 169, 351)
     path = vtdense.save_backbone(ours, tmp_path / "w7x14.safetensors")
     wider = vtdense.load_backbone(path, window_size=14)
     table = "layers.0.blocks.0.attn.relative_position_bias_table"
