@@ -270,6 +270,25 @@ def test_unsafe_or_missing_checkpoints_are_refused(tmp_path: Path) -> None:
         vtdense.export("swin_tiny", tmp_path / "x.onnx", opset=11)
 
 
+def test_a_save_backbone_file_exports_as_its_help_says(tmp_path: Path) -> None:
+    """``save_backbone`` writes safetensors (whatever the suffix), which the task-checkpoint reader
+    cannot read: the file's backbone config is read instead; a safetensors file without it is one
+    clear error."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = vtdense.create_backbone("swin_tiny", **TINY_SWIN).eval()
+    x = torch.randn(1, 3, 64, 64)
+    for name in ("bb.safetensors", "bb.pth"):
+        path = vtdense.save_backbone(model, tmp_path / name)
+        assert main([str(path), str(tmp_path / f"{name}.onnx"), "--input-size", "64", "64"]) == 0
+        with torch.no_grad():
+            _assert_close(list(model(x).values()), _run(_session(tmp_path / f"{name}.onnx"), x))
+    save_file({"w": torch.ones(2)}, str(tmp_path / "plain.safetensors"))
+    with pytest.raises(ValueError, match="plain.safetensors' is a safetensors file without vtdense's backbone config"):
+        vtdense.export(tmp_path / "plain.safetensors", tmp_path / "x.onnx")
+
+
 def test_export_options_are_checked_before_tracing(tmp_path: Path) -> None:
     """Each bad option is a ValueError that names it (not an exporter failure deep in tracing)."""
     with pytest.raises(ValueError, match="unknown what='neck'; choose one of backbone, fpn, segmenter, detector"):

@@ -39,7 +39,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
                             stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.stdout.readline().strip() == "saving"
     deadline = time.time() + 60
-    while time.time() < deadline and not list(tmp_path.glob(".last.ckpt.tmp*")):
+    while time.time() < deadline and not list(tmp_path.glob(".last.ckpt.*.tmp")):
         time.sleep(0.005)
     time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # mid-write: the temporary file exists, the rename has not happened
@@ -51,7 +51,7 @@ def test_kill_during_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
 
 def test_failed_save_keeps_the_previous_checkpoint_and_no_temporary(tmp_path: Path) -> None:
     """A save that raises (here an unpicklable value) leaves the previous file as it was and no
-    ``.last.ckpt.tmp<pid>`` behind (those would pile up over a run's retries)."""
+    ``.last.ckpt.<random>.tmp`` behind (those would pile up over a run's retries)."""
     path = tmp_path / "last.ckpt"
     io = AtomicCheckpointIO()
     io.save_checkpoint({"n": 1}, path)
@@ -304,3 +304,17 @@ def test_skip_report_lists_bad_images_and_keeps_earlier_records(tmp_path: Path) 
     records = [json.loads(line) for line in (run / SKIP_REPORT_NAME).read_text().splitlines()]
     assert records[0] == earlier  # a resumed run keeps what was recorded before
     assert any(r["file"] == str(victim) and r["when"] == "load" for r in records)
+
+
+def test_atomic_writes_take_names_at_the_file_system_limit(tmp_path: Path) -> None:
+    """A file name of 251 bytes (valid on ext4's 255) is written atomically: the temporary name no
+    longer adds a suffix to it ("File name too long" after a whole prediction run, before)."""
+    from vtdense.tasks.base import atomic_write_bytes
+
+    name = "写" * 82 + "a.png"
+    assert len(name.encode()) == 251
+    atomic_write_bytes(tmp_path / name, b"data")
+    AtomicCheckpointIO().save_checkpoint({"w": torch.ones(2)}, tmp_path / ("写" * 82 + ".ckpt"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "写" * 82 + ".ckpt"])  # no temporary left
+    assert (tmp_path / name).read_bytes() == b"data"
+    assert torch.equal(torch.load(tmp_path / ("写" * 82 + ".ckpt"), weights_only=True)["w"], torch.ones(2))

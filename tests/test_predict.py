@@ -12,6 +12,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -215,6 +216,36 @@ def test_segmentation_checkpoint_carries_class_names_and_palette(seg_ckpt: Path)
     assert task.predict_transform()(torch.zeros(3, 30, 90, dtype=torch.uint8)).shape == (3, 21, 64)  # scale (64, 48)
 
 
+def test_load_from_checkpoint_and_a_fit_resize_as_validation(det_ckpt: Path, seg_ckpt: Path, tmp_path: Path) -> None:
+    """``predict_images`` resizes as validation did however the task was made: Lightning's
+    ``load_from_checkpoint`` and a task just fitted in this process (both used the default 800 /
+    1333 and 2048 x 512 before, boxes and masks silently different)."""
+    image = torch.zeros(3, 100, 300, dtype=torch.uint8)
+    det = DetectionTask.load_from_checkpoint(det_ckpt, map_location="cpu")
+    assert det.predict_transform()(image).shape == DetectionTask.from_checkpoint(det_ckpt).predict_transform()(image).shape == (3, 43, 128)
+    seg = SegmentationTask.load_from_checkpoint(seg_ckpt, map_location="cpu")
+    assert seg.predict_transform()(torch.zeros(3, 30, 90, dtype=torch.uint8)).shape == (3, 21, 64)
+    root = make_synthetic_coco(tmp_path / "coco", num_train=2, num_val=1, size_range=(64, 96), num_classes=2, seed=2)
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY_SWIN, head="faster_rcnn", fpn_channels=16,
+                         slim_heads=True, box_head_width=32, rois_per_image=16, warmup_steps=1)
+    assert task.predict_transform()(image).shape == (3, 444, 1333)  # no datamodule seen yet: the defaults
+    dm = COCODataModule(root=str(root), batch_size=2, num_workers=0, train_scales=[64], test_scale=48, max_size=96)
+    _fit_one_step(task, dm, tmp_path / "run" / "checkpoints" / "fit.ckpt")
+    assert task.predict_transform()(image).shape == (3, 32, 96)
+
+
+def test_shape_changing_overrides_are_one_clear_error(det_ckpt: Path) -> None:
+    """An override that changes the model's shapes: one ``ValueError`` naming the option (and the
+    file where the loader knows it), not torch's state-dict size-mismatch ``RuntimeError``."""
+    with pytest.raises(ValueError, match=rf"checkpoint {re.escape(str(det_ckpt))} does not fit this model: it was trained with num_classes=2 \(this run: 5\)"):
+        DetectionTask.from_checkpoint(det_ckpt, num_classes=5)
+    with pytest.raises(ValueError, match=rf"checkpoint {re.escape(str(det_ckpt))} does not fit this model: \d+ tensor\(s\) differ in shape .*fpn_channels"):
+        DetectionTask.from_checkpoint(det_ckpt, fpn_channels=32)
+    with pytest.raises(ValueError, match=r"the checkpoint does not fit this model: 6 tensor\(s\) differ in shape \(model\.roi_heads"):
+        DetectionTask.load_from_checkpoint(det_ckpt, num_classes=5)
+    assert DetectionTask.from_checkpoint(det_ckpt, score_thresh=0.3).hparams.score_thresh == 0.3  # others still apply
+
+
 # ------------------------------------------------------------------------------ predict_images
 def test_detection_predict_images_original_coordinates(det_ckpt: Path, photos: Path) -> None:
     task = DetectionTask.from_checkpoint(det_ckpt)
@@ -321,7 +352,7 @@ def test_images_over_4096_px_are_decoded_reduced_and_predicted_at_full_size(tmp_
     # side of at least 2048 (8200 // 2048 = 4: 4 x 2050), whose scale to the original is 1/4
     target = decoded[8200][1]
     pic, scale = read_display_image(target)
-    assert tuple(pic.shape) == (3, 4, 2050) and scale == 0.25
+    assert tuple(pic.shape) == (3, 4, 2050) and scale == (0.25, 0.25)
     record = task.write_prediction_files(tmp_path / "out", target, pred, decoded[8200][0])
     assert (record["height"], record["width"]) == (16, 8200)
     with Image.open(tmp_path / "out" / record["label_map"]) as png:

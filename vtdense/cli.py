@@ -423,13 +423,24 @@ def predict_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def _check_output_folder(output: str) -> None:
+    """Raise :class:`NotADirectoryError` naming ``--output`` when ``output`` (or a folder above it) is
+    an existing file: the outputs are written into a folder, checked before the model runs."""
+    out = Path(output).expanduser()
+    blocker = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocker == out:
+        raise NotADirectoryError(f"--output {output} is a file; it must be a folder (new or existing) for the predictions")
+    if blocker is not None:
+        raise NotADirectoryError(f"--output {output} cannot be a folder: {blocker} is a file")
+
+
 def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | None = None) -> dict[str, Any]:
     """The ``predict`` subcommand: checkpoint + images -> drawn PNGs / label maps and a JSON index.
 
     Everything a user can get wrong (a missing checkpoint or path, a non-image file, an empty
-    folder, an option of the other task) raises before the model runs. Under several devices each
-    rank writes its own images' files and rank 0 the JSON index (see
-    :class:`vtdense.tasks.predict.PredictionWriter`).
+    folder, an option of the other task or out of range, an ``--output`` that is a file) raises
+    before the model runs. Under several devices each rank writes its own images' files and rank 0
+    the JSON index (see :class:`vtdense.tasks.predict.PredictionWriter`).
 
     Returns:
         ``{"output_dir": str, "images": int, "files": [index files]}``.
@@ -438,7 +449,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
 
     from torch.utils.data import DataLoader
 
-    from vtdense.data.predict import PredictImages, collate_predict, first_names, list_images
+    from vtdense.data.predict import PredictImages, check_eval_scale, collate_predict, first_names, list_images
     from vtdense.models.compile import check_compile_option
     from vtdense.tasks.predict import PredictionWriter, default_output_dir
 
@@ -450,6 +461,8 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
             raise ValueError("--data.batch_size and --devices must be >= 1, --data.num_workers >= 0")
         if ns.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda but no CUDA device is available (use --device cpu or auto)")
+        if ns.output:
+            _check_output_folder(ns.output)
         compile_backend = check_compile_option(ns.compile_backbone, "--compile_backbone")
         files = list_images(ns.predict_path)
         task: Any = task_cls.from_checkpoint(ns.ckpt_path, map_location="cpu", compile_backbone=compile_backend or False)
@@ -459,6 +472,11 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
         wrong = [f"--data.{k}" for k in given if k not in accepted]
         if wrong:
             raise ValueError(f"{', '.join(wrong)} does not apply to a {type(task).__name__} checkpoint")
+        for k in ("test_scale", "max_size"):
+            if k in given and given[k] <= 0:
+                raise ValueError(f"--data.{k} must be a positive int, got {given[k]}")
+        if "eval_scale" in given:
+            check_eval_scale(given["eval_scale"], "--data.eval_scale")
         has_threshold = hasattr(task, "score_threshold")
         if ns.score_thresh is not None and not has_threshold:
             raise ValueError(f"--score_thresh does not apply to a {type(task).__name__} checkpoint")

@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from vtdense.checkpoints.io import read_task_checkpoint
+from vtdense.checkpoints.io import SAFETENSORS_CONFIG_KEY, read_task_checkpoint, safetensors_metadata
 
 __all__ = [
     "KINDS",
@@ -291,8 +291,16 @@ def _resolve(source: Any, backbone_kwargs: Mapping[str, Any] | None) -> tuple[nn
             raise FileNotFoundError(
                 f"{str(source)!r} is neither a file nor a backbone name; backbone names: {', '.join(list_backbones())}"
             )
+        metadata = safetensors_metadata(path)
+        if metadata is not None and SAFETENSORS_CONFIG_KEY not in metadata:
+            raise ValueError(f"{str(path)!r} is a safetensors file without vtdense's backbone config "
+                             "(not written by vtdense.save_backbone): build the backbone and load it with vtdense.load_pretrained")
+        if metadata is not None:  # a file written by vtdense.save_backbone
+            from vtdense.checkpoints.convert import load_backbone
+
+            return load_backbone(path, **dict(backbone_kwargs or {})).eval(), {**info, "kind": "backbone"}
         ckpt = load_checkpoint(path)
-        if "vtdense_backbone" in ckpt:  # a file written by vtdense.save_backbone
+        if "vtdense_backbone" in ckpt:  # a .pth file of vtdense < 0.1's save_backbone
             from vtdense.checkpoints.convert import load_backbone
 
             return load_backbone(path, **dict(backbone_kwargs or {})).eval(), {**info, "kind": "backbone"}

@@ -125,6 +125,28 @@ def _read_detectron2_pickle(path: Path) -> Any:
     return {"model": OrderedDict((k, v) for k, v in _numpy_to_torch(model).items() if isinstance(v, Tensor))}
 
 
+def _safetensors_head(head: bytes, size: int) -> bool:
+    """Whether a file of ``size`` bytes starting with ``head`` is laid out as safetensors: an 8-byte
+    little-endian header length below the file size, then the JSON header's ``{``."""
+    return len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
+
+
+def safetensors_metadata(path: str | Path) -> dict[str, str] | None:
+    """The metadata of a safetensors file (no tensor is read); ``None`` for a file of another kind."""
+    path = Path(path)
+    with path.open("rb") as f:
+        head = f.read(16)
+    if not _safetensors_head(head, path.stat().st_size):
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # noqa: BLE001 - re-raised with the file name
+        raise CheckpointReadError(f"cannot read safetensors file {path}: {e}") from e
+
+
 def read_checkpoint(path: str | Path) -> CheckpointFile:
     """Read a checkpoint file of any container vtdense supports (see the module docstring).
 
@@ -135,7 +157,7 @@ def read_checkpoint(path: str | Path) -> CheckpointFile:
     path = Path(path)
     with path.open("rb") as f:
         head = f.read(16)
-    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
+    if _safetensors_head(head, path.stat().st_size):
         from safetensors import safe_open
 
         try:
@@ -170,14 +192,35 @@ def _torch_load(path: Path) -> Any:
 _TASK_CHECKPOINT_GLOBALS = [pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath]
 
 
+#: First bytes of files sometimes passed where a checkpoint belongs -> what they are.
+_KNOWN_HEADS = (
+    (b"\x89PNG", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+    (b"GIF8", "a GIF image"),
+)
+
+
+def _describe_head(head: bytes, size: int) -> str:
+    """``"it is empty"``, ``"it is a PNG image"`` or ``"it starts with b'...'"``: what a file of
+    ``size`` bytes that is not a checkpoint holds, from its first bytes."""
+    if not head:
+        return "it is empty"
+    if _safetensors_head(head, size):
+        return "it is a safetensors file torch.load cannot read"
+    kind = next((name for magic, name in _KNOWN_HEADS if head.startswith(magic)), None)
+    return f"it is {kind}" if kind else f"it starts with {head[:8]!r}"
+
+
 def read_task_checkpoint(path: str | Path) -> dict[str, Any]:
     """A Lightning checkpoint of a vtdense task, read with ``torch.load(weights_only=True)`` on the
     CPU: tensors, plain containers and ``pathlib`` paths only, no code from the file runs.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ValueError: the file holds other Python objects or is no checkpoint dict (the message
-            names the file and says ``weights_only=True``).
+        ValueError: the file is no ``torch.save`` file at all (an image, a text file, an empty
+            file: neither a zip archive nor a binary pickle; the message says what it is), holds
+            other Python objects (the message says ``weights_only=True``) or is no checkpoint
+            dict; each message names the file.
     """
     path = Path(path).expanduser()
     if not path.is_file():
@@ -186,8 +229,16 @@ def read_task_checkpoint(path: str | Path) -> dict[str, Any]:
         with torch.serialization.safe_globals(_TASK_CHECKPOINT_GLOBALS):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # pickle / zip / weights-only errors all mean: not loadable safely
+        with path.open("rb") as f:
+            head = f.read(16)
+        # torch.save writes a zip archive, or in its legacy format a pickle of protocol 2+ (torch's
+        # weights_only reader reads no other pickle): a file that is neither is no checkpoint at all
+        if head[:2] != b"PK" and head[:1] != b"\x80":
+            what = _describe_head(head, path.stat().st_size)
+            raise ValueError(f"{str(path)!r} is not a checkpoint: expected a file written by torch.save (a zip archive "
+                             f"such as a Lightning .ckpt, or a pickle of protocol 2+), but {what}") from None
         lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()] or [type(err).__name__]
-        reason = next((ln for ln in lines if "Unsupported global" in ln), lines[-1])
+        reason = next((ln for ln in lines if "unsupported global" in ln.lower()), lines[-1])
         raise ValueError(f"cannot load {str(path)!r} safely with torch.load(weights_only=True): {reason[:300]}") from None
     if not isinstance(obj, dict):
         raise ValueError(f"{str(path)!r} holds a {type(obj).__name__}, not a checkpoint dict")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import glob
 import logging
+import numbers
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ __all__ = [
     "ImageFile",
     "ImageSource",
     "PredictImages",
+    "check_eval_scale",
     "collate_predict",
     "detection_predict_transform",
     "first_names",
@@ -199,14 +201,39 @@ def detection_predict_transform(
     return apply
 
 
+def check_eval_scale(scale: Any, option: str = "eval_scale") -> tuple[int, ...]:
+    """``scale`` as a tuple of one or two positive ints (the segmentation resize, (long, short)).
+
+    Args:
+        scale: What the user gave, e.g. ``[2048, 512]`` (``[512]``: fit into 512 x 512).
+        option: The option's name in the error, e.g. ``"--data.eval_scale"`` on the command line.
+
+    Raises:
+        ValueError: ``scale`` is not a list or tuple of one or two positive ints (a bare int, a
+            zero or negative side, a float): one message naming ``option`` and the value.
+    """
+    ok = (
+        isinstance(scale, Sequence)
+        and not isinstance(scale, (str, bytes))
+        and len(scale) in (1, 2)
+        and all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s > 0 for s in scale)
+    )
+    if not ok:
+        raise ValueError(f"{option} must be one or two positive ints (long, short), e.g. [2048, 512], got {scale!r}")
+    return tuple(int(s) for s in scale)
+
+
 def segmentation_predict_transform(scale: Sequence[int] | None = (2048, 512)) -> Callable[[Tensor], Tensor]:
     """The segmentation validation resize (keep-ratio fit into ``scale`` = (long, short); ``None``: none).
 
     Returns:
         A function from a ``[3, H, W]`` uint8 (0..255) or float (0..1) tensor to the float32
         ``[3, h, w]`` model input in 0..1 (exactly :class:`~vtdense.data.ade20k.SegEvalTransform`).
+
+    Raises:
+        ValueError: ``scale`` is not one or two positive ints (:func:`check_eval_scale`).
     """
-    transform = SegEvalTransform(None if scale is None else tuple(int(s) for s in scale))
+    transform = SegEvalTransform(None if scale is None else check_eval_scale(scale, "scale"))
 
     def apply(image: Tensor) -> Tensor:
         image = _as_image_tensor(image)

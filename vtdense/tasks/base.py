@@ -25,7 +25,7 @@ The base owns what every task needs to run on several processes:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from torch.utils.data import DistributedSampler
 
 from vtdense.data.errors import SKIP_REPORT_NAME, read_skip_report, write_skip_report
 from vtdense.distributed import destroy_process_group_at_exit
+from vtdense.files import temp_path_beside
 from vtdense.layers.mlp import DEFAULT_RECOMPUTE_MIN_BYTES, set_activation_recompute
 from vtdense.layers.scoped import is_auto_switch
 from vtdense.layers.triton_window_attention import set_triton_window_attention
@@ -71,12 +72,15 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file and a rename, so a reader (or a
     kill mid-write) never sees a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = temp_path_beside(path)
+    try:
+        with open(tmp, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def task_family(cls: type) -> str:
@@ -85,6 +89,11 @@ def task_family(cls: type) -> str:
         if c.__module__.startswith("vtdense.tasks.") and c.__name__ != "BaseTask" and hasattr(c, "monitor"):
             return c.__name__
     return cls.__name__
+
+
+def _public(hparams: Any) -> dict[str, Any]:
+    """Saved datamodule hyperparameters without Lightning's private entries."""
+    return {k: v for k, v in dict(hparams).items() if not str(k).startswith("_")}
 
 
 def _same_shape_option(a: Any, b: Any) -> bool:
@@ -203,6 +212,9 @@ class BaseTask(LightningModule):
         destroy_process_group_at_exit()  # a clean exit under gloo (see vtdense.distributed)
         if self._trainer is not None:
             self._run_dir = resolve_run_dir(self.trainer)
+            dm_hparams = getattr(getattr(self.trainer, "datamodule", None), "hparams", None)
+            if stage == "fit" and dm_hparams:  # predict_images after fit resizes as this validation does
+                self.datamodule_hparams = _public(dm_hparams)
             strategy = self.trainer.strategy
             if type(strategy.checkpoint_io) is TorchCheckpointIO:
                 strategy.checkpoint_io = AtomicCheckpointIO()
@@ -337,10 +349,40 @@ class BaseTask(LightningModule):
                 "resume, or load only the backbone with model.backbone_weights"
             )
 
+    def check_state_dict_fits(self, checkpoint: dict[str, Any], source: str | None = None, options: Iterable[str] | None = None) -> None:
+        """Raise one ``ValueError`` naming the file when a tensor of the checkpoint's state dict and
+        this task's differ in shape: an option that sets a shape was given another value than the
+        checkpoint's (``load_from_checkpoint(path, num_classes=5)``), which the hyperparameter check
+        cannot see once the override is merged into the saved hyperparameters. ``options``: the
+        options given anew (the loader's overrides), named as the suspects."""
+        state = checkpoint.get("state_dict")
+        if not isinstance(state, dict):
+            return
+        own = self.state_dict()
+        wrong = [f"{k}: checkpoint {tuple(v.shape)}, this model {tuple(own[k].shape)}"
+                 for k, v in state.items() if k in own and isinstance(v, Tensor) and tuple(v.shape) != tuple(own[k].shape)]
+        if wrong:
+            where = f"checkpoint {source}" if source else "the checkpoint"
+            given = sorted(options or ())
+            suspects = (f"an option given here ({', '.join(given)})" if given else
+                        f"an option that sets them ({', '.join(k for k in self.ARCHITECTURE_KEYS if k in self.hparams)}, "
+                        "backbone_kwargs, a head's width)")
+            raise ValueError(
+                f"{where} does not fit this model: {len(wrong)} tensor(s) differ in shape ({'; '.join(wrong[:3])}"
+                f"{' ...' if len(wrong) > 3 else ''}); {suspects} differs from the checkpoint's: leave it as saved, "
+                "or load only the backbone with backbone_weights"
+            )
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Check that the checkpoint fits; when a fit resumes, restore this rank's generator states."""
+        """Check that the checkpoint fits; keep its datamodule hyperparameters (prediction resizes
+        as validation did); when a fit resumes, restore this rank's generator states."""
         t = self._trainer
         self.check_checkpoint_fits(checkpoint, getattr(t, "ckpt_path", None) if t is not None else None)
+        if t is None:  # load_from_checkpoint: Lightning loads the state dict strictly next
+            self.check_state_dict_fits(checkpoint)
+        saved_dm = checkpoint.get("datamodule_hyper_parameters")
+        if saved_dm and self.datamodule_hparams is None:
+            self.datamodule_hparams = _public(saved_dm)
         states = checkpoint.get("vtdense_rng")
         if not states or t is None or t.state.fn != "fit":
             return

@@ -844,7 +844,7 @@ class DetectionTask(BaseTask):
         return the image's record with its detections in COCO results form (XYWH, RLE masks)."""
         from vtdense.tasks.predict import png_bytes, read_display_image, write_file
 
-        pic, s = read_display_image(target, image)
+        pic, (sy, sx) = read_display_image(target, image)  # per axis: each side is rounded on its own
         up = max(1, math.ceil(_VIS_MIN_SIDE / max(pic.shape[-2:])))  # small images: legible labels
         if up > 1:
             pic = F.interpolate(pic[None].float(), scale_factor=up, mode="nearest")[0].to(torch.uint8)
@@ -858,7 +858,8 @@ class DetectionTask(BaseTask):
             pic = draw_segmentation_masks(pic, masks, alpha=0.45, colors=colours)
         if len(scores):
             text = [f"{n} {sc:.2f}" for n, sc in zip(names, scores)]
-            pic = draw_bounding_boxes(pic, pred["boxes"] * (s * up), labels=text, colors=colours, width=2)
+            scale = torch.tensor([sx, sy, sx, sy], dtype=pred["boxes"].dtype, device=pred["boxes"].device) * up
+            pic = draw_bounding_boxes(pic, pred["boxes"] * scale, labels=text, colors=colours, width=2)
         vis = f"vis/{target['name']}.png"
         write_file(out_dir / vis, png_bytes(pic))
         xywh = box_convert(pred["boxes"], "xyxy", "xywh").tolist()

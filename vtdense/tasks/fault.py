@@ -28,6 +28,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
+from vtdense.files import temp_path_beside
+
 __all__ = [
     "NONFINITE_POLICIES",
     "AtomicCheckpointIO",
@@ -43,7 +45,8 @@ NONFINITE_POLICIES: tuple[str, ...] = ("error", "skip")
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``torch.save`` to ``.<name>.tmp<pid>`` beside the target, fsync, then ``os.replace``."""
+    """``torch.save`` to a temporary file beside the target (:func:`vtdense.files.temp_path_beside`),
+    fsync, then ``os.replace``."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically (the old file stays valid until the rename)."""
@@ -51,9 +54,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+        tmp = temp_path_beside(target)
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "xb") as f:
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())

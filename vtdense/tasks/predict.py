@@ -104,6 +104,10 @@ def load_task_checkpoint(
         task = cls(**kwargs)
     except (TypeError, ValueError) as e:
         raise ValueError(f"checkpoint {path} does not rebuild a {cls.__name__}: {e}") from None
+    # an override that changes the model's shapes (num_classes=5 for a 3-class checkpoint): one error
+    # naming the file and the option, before the hook below sees the override as saved
+    task.check_checkpoint_fits(ckpt, str(path))
+    task.check_state_dict_fits(ckpt, str(path), overrides)
     # the hook fills options added after the checkpoint was saved with their legacy values; an option
     # the caller gave explicitly counts as saved, so the override wins
     task.on_load_checkpoint({**ckpt, "hyper_parameters": {**dict(ckpt["hyper_parameters"]), **overrides}})
@@ -217,7 +221,7 @@ def png_bytes(image: Tensor | np.ndarray | Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def read_display_image(target: dict[str, Any], image: Tensor | None = None) -> tuple[Tensor, float]:
+def read_display_image(target: dict[str, Any], image: Tensor | None = None) -> tuple[Tensor, tuple[float, float]]:
     """The picture to draw predictions on: the original file, reduced to :data:`DRAW_MAX_SIDE`.
 
     Args:
@@ -225,16 +229,18 @@ def read_display_image(target: dict[str, Any], image: Tensor | None = None) -> t
         image: The model input, used when there is no file (a tensor source).
 
     Returns:
-        uint8 ``[3, h, w]`` and its scale relative to ``orig_size`` (``h / H0``).
+        uint8 ``[3, h, w]`` and its scales relative to ``orig_size``, one per axis:
+        ``(h / H0, w / W0)``. Each side is rounded on its own when the picture is reduced (a
+        6000 x 5 strip becomes 3000 x 3: ``(0.6, 0.5)``), so x and y need their own scale.
     """
-    h0 = int(target["orig_size"][0])
+    h0, w0 = (int(v) for v in target["orig_size"])
     if target.get("path"):
         decoded = decode_image(target["path"], max_side=DRAW_MAX_SIDE)
         pic = TF.pil_to_tensor(decoded.image)
     else:
         assert image is not None, "a tensor source needs its image"
         pic = (image.detach().float().clamp(0, 1).cpu() * 255).round().to(torch.uint8)
-    return pic, pic.shape[-2] / h0
+    return pic, (pic.shape[-2] / h0, pic.shape[-1] / w0)
 
 
 class PredictionWriter(BasePredictionWriter):

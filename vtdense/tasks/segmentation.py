@@ -573,11 +573,18 @@ class SegmentationTask(BaseTask):
                      len(unbuilt), self.hparams.encoder_depth, unbuilt[0])
 
     def predict_transform(self, eval_scale: Sequence[int] | None = None) -> Any:
-        """Validation's resize: ``eval_scale`` (else ``scale``) from the checkpoint's datamodule unless given."""
-        from vtdense.data.predict import segmentation_predict_transform
+        """Validation's resize: ``eval_scale`` (else ``scale``) from the checkpoint's datamodule unless given.
 
+        Raises:
+            ValueError: ``eval_scale`` is not one or two positive ints (long, short); raised here,
+                before any image is read or the model runs.
+        """
+        from vtdense.data.predict import check_eval_scale, segmentation_predict_transform
+
+        if eval_scale is not None:
+            return segmentation_predict_transform(check_eval_scale(eval_scale, "eval_scale"))
         dm = self.datamodule_hparams or {}
-        scale = eval_scale if eval_scale is not None else (dm.get("eval_scale") or dm.get("scale") or (2048, 512))
+        scale = dm.get("eval_scale") or dm.get("scale") or (2048, 512)
         return segmentation_predict_transform(tuple(int(v) for v in scale))
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Tensor]]:
