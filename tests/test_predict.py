@@ -348,6 +348,16 @@ def test_images_over_4096_px_are_decoded_reduced_and_predicted_at_full_size(tmp_
         ref = F.interpolate(task(x[None]), size=(16, 8200), mode="bilinear", align_corners=False)[0].softmax(0)
     torch.testing.assert_close(pred["probs"], ref, atol=1e-5, rtol=1e-4)
 
+    # a resize whose model input is longer than 4096 px is not fed an upsampled reduced decode: the
+    # file is decoded at least that long (whole for a long side of 8200; reduced to 4100 for 4096)
+    from vtdense.data.predict import detection_predict_transform, segmentation_predict_transform
+
+    full = torch.from_numpy(arrays[8200]).permute(2, 0, 1)
+    for transform, decode in ((segmentation_predict_transform((8200, 16)), full), (detection_predict_transform(16, 8200), full),
+                              (segmentation_predict_transform((4096, 16)), full[:, ::2, ::2])):
+        x, _ = PredictImages(list_images(tmp_path / "w8200.png"), transform)[0]
+        torch.testing.assert_close(x, transform(decode))
+
     # the written files: the label PNG at the full size; the overlay drawn on a copy reduced to a long
     # side of at least 2048 (8200 // 2048 = 4: 4 x 2050), whose scale to the original is 1/4
     target = decoded[8200][1]

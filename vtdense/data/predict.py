@@ -198,6 +198,8 @@ def detection_predict_transform(
         out = transform(tv_tensors.Image(_as_image_tensor(image)))
         return TF.to_dtype(out.as_subclass(Tensor), torch.float32, scale=True)
 
+    if max_size is not None:
+        apply.model_long_side = int(max_size)  # type: ignore[attr-defined]  # read by PredictImages
     return apply
 
 
@@ -241,6 +243,8 @@ def segmentation_predict_transform(scale: Sequence[int] | None = (2048, 512)) ->
             image = image.float() * 255
         return transform(image, None)["image"].float()
 
+    if scale is not None:
+        apply.model_long_side = max(check_eval_scale(scale, "scale"))  # type: ignore[attr-defined]  # read by PredictImages
     return apply
 
 
@@ -254,7 +258,8 @@ class PredictImages(Dataset):
         transform: The task's preprocessing, a function ``[3, H, W] -> float [3, h, w]``
             (:func:`detection_predict_transform`, :func:`segmentation_predict_transform`).
         max_decode_side: Files with a longer side are decoded reduced (long side still at least
-            this); ``orig_size`` stays the full size.
+            this, and at least the model input's longest side where the transform bounds it, as
+            the two above do); ``orig_size`` stays the full size.
 
     Items are ``(image, target)``: ``image`` float32 ``[3, h, w]`` in 0..1, ``target`` a dict with
     ``orig_size`` ``(H0, W0)`` (the displayed full size), ``file_name`` (relative input name,
@@ -280,7 +285,8 @@ class PredictImages(Dataset):
             else:
                 self.items.append((Path(s), Path(s).name, Path(s).stem))
         self.transform = transform
-        self.max_decode_side = int(max_decode_side)
+        # never decode below the model's input: its resize would then upsample a reduced decode
+        self.max_decode_side = max(int(max_decode_side), int(getattr(transform, "model_long_side", 0)))
 
     def __len__(self) -> int:
         return len(self.items)
