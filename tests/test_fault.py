@@ -315,6 +315,12 @@ def test_atomic_writes_take_names_at_the_file_system_limit(tmp_path: Path) -> No
     assert len(name.encode()) == 251
     atomic_write_bytes(tmp_path / name, b"data")
     AtomicCheckpointIO().save_checkpoint({"w": torch.ones(2)}, tmp_path / ("写" * 82 + ".ckpt"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "写" * 82 + ".ckpt"])  # no temporary left
+    import vtdense
+
+    backbone = "写" * 80 + ".safetensors"  # 252 bytes: save_backbone writes through a temporary file too
+    vtdense.save_backbone(vtdense.create_backbone("swin_tiny", embed_dim=8, depths=(1, 1, 1, 1), num_heads=(1, 1, 1, 1),
+                                                  window_size=4), tmp_path / backbone)
+    assert vtdense.load_backbone(tmp_path / backbone).out_channels[0] == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "写" * 82 + ".ckpt", backbone])  # no temporary left
     assert (tmp_path / name).read_bytes() == b"data"
     assert torch.equal(torch.load(tmp_path / ("写" * 82 + ".ckpt"), weights_only=True)["w"], torch.ones(2))

@@ -660,10 +660,12 @@ def _adapt_input_channels(sd: dict[str, Tensor], own: Mapping[str, Tensor]) -> N
     weight, target = sd.get(_INPUT_CONV), own.get(_INPUT_CONV)
     if weight is None or target is None or weight.shape == target.shape:
         return
-    if weight.ndim != 4 or weight.shape[1] != 3 or target.shape[:1] + target.shape[2:] != weight.shape[:1] + weight.shape[2:]:
-        return
     in_chans = target.shape[1]
-    sd[_INPUT_CONV] = adapted = adapt_input_conv(_INPUT_CONV, weight, target.shape, in_chans)
+    try:
+        adapted = adapt_input_conv(_INPUT_CONV, weight, target.shape, in_chans)
+    except ValueError:
+        return  # no RGB form of this model's conv: the strict check names the mismatch
+    sd[_INPUT_CONV] = adapted
     how = "summed over RGB" if in_chans == 1 else f"RGB repeated cyclically, scaled by 3/{in_chans}"
     note_resized(_INPUT_CONV, weight, adapted, f"in_chans={in_chans} from an RGB checkpoint: {how}")
 

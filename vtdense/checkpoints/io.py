@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vtdense.files import temp_path_beside
+
 __all__ = ["CheckpointError", "CheckpointFile", "read_checkpoint", "read_task_checkpoint", "write_safetensors",
            "SAFETENSORS_CONFIG_KEY"]
 
@@ -250,6 +252,9 @@ def write_safetensors(path: Path, state_dict: dict[str, Tensor], metadata: dict[
     from safetensors.torch import save_file
 
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    tmp.replace(path)  # never leave a half-written file where a good one was
+    tmp = temp_path_beside(path)  # a short name beside one near the 255-byte limit too
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+        tmp.replace(path)  # never leave a half-written file where a good one was
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -235,7 +235,8 @@ def segmentation_predict_transform(scale: Sequence[int] | None = (2048, 512)) ->
     Raises:
         ValueError: ``scale`` is not one or two positive ints (:func:`check_eval_scale`).
     """
-    transform = SegEvalTransform(None if scale is None else check_eval_scale(scale, "scale"))
+    scale = None if scale is None else check_eval_scale(scale, "scale")
+    transform = SegEvalTransform(scale)
 
     def apply(image: Tensor) -> Tensor:
         image = _as_image_tensor(image)
@@ -244,7 +245,7 @@ def segmentation_predict_transform(scale: Sequence[int] | None = (2048, 512)) ->
         return transform(image, None)["image"].float()
 
     if scale is not None:
-        apply.model_long_side = max(check_eval_scale(scale, "scale"))  # type: ignore[attr-defined]  # read by PredictImages
+        apply.model_long_side = max(scale)  # type: ignore[attr-defined]  # read by PredictImages
     return apply
 
 

@@ -31,7 +31,6 @@ from typing import Any
 import segmentation_models_pytorch as smp
 from segmentation_models_pytorch.encoders import encoders as _SMP_ENCODERS
 from segmentation_models_pytorch.encoders._base import EncoderMixin
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
