@@ -64,6 +64,13 @@ def _record_exit(out: str) -> None:
         Path(f"{out}.exit{_RANK[0]}").write_text("alive" if alive else "destroyed")
 
 
+def _checksum(model: torch.nn.Module) -> float:
+    """The sum of every weight. Call it on every rank: gathering an FSDP shard (DTensor) into the full
+    parameter is a collective."""
+    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return sum(float(p.detach().double().sum()) for p in full)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--task", choices=["detection", "segmentation"], required=True)
@@ -77,30 +84,43 @@ def main() -> None:
     p.add_argument("--save_weights", help="write the task's state dict here after fitting")
     p.add_argument("--load_weights", help="load the task's state dict from here before validating")
     p.add_argument("--compile_backbone", default=None, help="detection: DetectionTask's compile_backbone backend")
+    p.add_argument("--compare_eager", action="store_true",
+                   help="with --compile_backbone: first fit the same task uncompiled (reported as eager_checksum)")
     p.add_argument("--root_dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(1)
     # registered before vtdense's own handler, so it runs after it (atexit is last in, first out)
     atexit.register(_record_exit, a.out)
-    model, dm = build(a.task, a.data, a.compile_backbone or False)
     world = a.devices * a.num_nodes
-    options = dict(accelerator="cpu", strategy=a.strategy if world > 1 else "auto", precision=a.precision)
-    if a.strategy == "fsdp":
-        from vtdense.strategies import trainer_options
 
-        options = trainer_options(options)
-    elif a.precision == "16-mixed":
-        # Lightning's own fp16 plugin: its CPU flag would quietly run bf16 instead
-        from lightning.pytorch.plugins.precision import MixedPrecision
+    def make_trainer(root_dir: str) -> L.Trainer:
+        options = dict(accelerator="cpu", strategy=a.strategy if world > 1 else "auto", precision=a.precision)
+        if a.strategy == "fsdp":
+            from vtdense.strategies import trainer_options
 
-        options.update(precision=None, plugins=[MixedPrecision("16-mixed", "cpu")])
-    trainer = L.Trainer(
-        devices=a.devices, num_nodes=a.num_nodes, **options,
-        default_root_dir=a.root_dir, max_steps=max(a.fit_steps, 1), num_sanity_val_steps=0,
-        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-        limit_val_batches=0 if a.fit_steps else None,
-    )
+            options = trainer_options(options)
+        elif a.precision == "16-mixed":
+            # Lightning's own fp16 plugin: its CPU flag would quietly run bf16 instead
+            from lightning.pytorch.plugins.precision import MixedPrecision
+
+            options.update(precision=None, plugins=[MixedPrecision("16-mixed", "cpu")])
+        return L.Trainer(
+            devices=a.devices, num_nodes=a.num_nodes, **options,
+            default_root_dir=root_dir, max_steps=max(a.fit_steps, 1), num_sanity_val_steps=0,
+            enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+            limit_val_batches=0 if a.fit_steps else None,
+        )
+
+    eager_checksum = None
+    if a.compare_eager:
+        # the same fit without compile first, in these processes (the first fit starts the other ranks;
+        # the second trainer finds them started)
+        eager, dm = build(a.task, a.data)
+        make_trainer(str(Path(a.root_dir) / "eager")).fit(eager, datamodule=dm)
+        eager_checksum = _checksum(eager)
+    model, dm = build(a.task, a.data, a.compile_backbone or False)
+    trainer = make_trainer(a.root_dir)
     _RANK.append(trainer.global_rank)
     if a.load_weights:
         model.load_state_dict(torch.load(a.load_weights, weights_only=True))
@@ -110,16 +130,14 @@ def main() -> None:
         if a.save_weights and trainer.is_global_zero:
             torch.save(model.state_dict(), a.save_weights)
     results = [{}] if a.no_validate else trainer.validate(model, datamodule=dm, verbose=False)
-    # every rank: gathering an FSDP shard (DTensor) into the full parameter is a collective
-    full = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-    checksum = sum(float(p.detach().double().sum()) for p in full)
+    checksum = _checksum(model)
     if trainer.is_global_zero:
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         from torch._dynamo.utils import counters
 
         from vtdense.models.compile import is_compiled
 
-        payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "world": trainer.world_size,
+        payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "eager_checksum": eager_checksum, "world": trainer.world_size,
                    "compiled": is_compiled(model.model), "graphs": counters["stats"]["unique_graphs"],
                    "scaler": type(scaler).__name__ if scaler is not None else None,
                    "scale": float(scaler.get_scale()) if scaler is not None else None,
