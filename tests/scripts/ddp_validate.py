@@ -137,7 +137,8 @@ def main() -> None:
 
         from vtdense.models.compile import is_compiled
 
-        payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum, "eager_checksum": eager_checksum, "world": trainer.world_size,
+        payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum,
+                   "eager_checksum": eager_checksum, "world": trainer.world_size,
                    "compiled": is_compiled(model.model), "graphs": counters["stats"]["unique_graphs"],
                    "scaler": type(scaler).__name__ if scaler is not None else None,
                    "scale": float(scaler.get_scale()) if scaler is not None else None,
