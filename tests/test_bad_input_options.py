@@ -165,6 +165,57 @@ def test_bad_option_value_gets_one_line_from_the_script(
     assert not (tmp_path / "run").exists()
 
 
+def _resume_files(where: Path) -> dict[str, str]:
+    """Files a fit cannot resume from -> the start of the one line the recipe prints for each."""
+    import pickle
+
+    import torch
+
+    resumable = {"state_dict": {}, "optimizer_states": [], "loops": {}, "epoch": 0, "global_step": 0}
+    torch.save({**resumable, "vtdense_task": "DetectionTask"}, where / "whole.ckpt")
+    whole = (where / "whole.ckpt").read_bytes()
+    (where / "cut.ckpt").write_bytes(whole[:-10])  # a copy interrupted near its end
+    torch.save({"state_dict": {"w": torch.zeros(2)}, "epoch": 3}, where / "weights.ckpt")  # save_weights_only
+    torch.save({**resumable, "vtdense_task": "SegmentationTask"}, where / "segment.ckpt")
+    torch.save({**resumable, "vtdense_task": "DetectionTask", "hyper_parameters": {"backbone": "swinv2_tiny"}},
+               where / "other.ckpt")
+    (where / "code.ckpt").write_bytes(pickle.dumps({**resumable, "x": print}, protocol=2))  # a global: not weights only
+    return {
+        "missing.ckpt": "error: --ckpt_path 'missing.ckpt' does not exist",
+        "cut.ckpt": f"error: --ckpt_path: cannot read checkpoint 'cut.ckpt': it is a zip archive (torch.save's format) "
+                    f"of {len(whole) - 10:,} bytes without the end record that closes one: the file is cut short",
+        "weights.ckpt": "error: --ckpt_path: 'weights.ckpt' cannot resume a fit: it has no optimizer_states, loops (a "
+                        "checkpoint written with save_weights_only",
+        "segment.ckpt": "error: --ckpt_path: checkpoint segment.ckpt is a SegmentationTask checkpoint, not a DetectionTask one",
+        "other.ckpt": "error: --ckpt_path: checkpoint other.ckpt does not fit this model: it was trained with "
+                      "backbone='swinv2_tiny' (this run: 'swin_tiny')",
+        "code.ckpt": "error: --ckpt_path: cannot load 'code.ckpt' safely with torch.load(weights_only=True)",
+    }
+
+
+def test_a_ckpt_path_a_fit_cannot_resume_from_is_one_line_before_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--ckpt_path`` to resume a fit: a missing file, one cut short, one with weights only, one of
+    another task or backbone, one holding code: ``error: <message>`` naming it, status 2, before the
+    trainer starts (no run directory); the whole checkpoint passes the same check."""
+    from vtdense.cli import check_resume_checkpoint
+
+    recipe = _recipe()
+    monkeypatch.chdir(tmp_path)
+    cases = _resume_files(tmp_path)
+    for name, expected in cases.items():
+        monkeypatch.setattr(sys, "argv", [str(RECIPE), "--ckpt_path", name, "--trainer.default_root_dir=run"])
+        with pytest.raises(SystemExit) as info:
+            recipe.run_script(recipe.main)
+        assert info.value.code == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(expected), (name, err)
+        assert not (tmp_path / "run").exists()
+    from vtdense.tasks.detection import DetectionTask
+
+    check_resume_checkpoint("whole.ckpt", DetectionTask(backbone="swin_tiny", num_classes=3))
+
+
 def test_errors_during_the_run_keep_their_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     from vtdense import cli
 

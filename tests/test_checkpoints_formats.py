@@ -215,14 +215,32 @@ def test_python2_detectron2_pickle_loads(tmp_path: Path) -> None:
 
 
 def test_unreadable_containers_name_the_file(tmp_path: Path) -> None:
-    """A truncated safetensors file or detectron2 pickle, and a torch file holding something other
-    than a state dict (a training checkpoint whose weights sit under a key vtdense does not know): one
-    :class:`CheckpointError` naming the file and saying what is wrong."""
+    """A truncated safetensors file, torch zip archive or detectron2 pickle, and a torch file holding
+    something other than a state dict (a training checkpoint whose weights sit under a key vtdense does
+    not know): one :class:`CheckpointError` naming the file and saying what is wrong."""
+    from vtdense.checkpoints.io import cut_short
+
     model = vtdense.create_backbone("swin_tiny", **SWIN)
     path = vtdense.save_backbone(model, tmp_path / "cut.safetensors")
-    path.write_bytes(path.read_bytes()[:-100])  # the data ends early: the header is intact
-    with pytest.raises(CheckpointError, match=rf"cannot read safetensors file {re.escape(str(path))}"):
+    whole = path.read_bytes()
+    assert cut_short(path) is None
+    path.write_bytes(whole[:-100])  # the data ends early: the header is intact
+    assert cut_short(path) == (f"it is a safetensors file of {len(whole) - 100:,} bytes where its header describes "
+                               f"{len(whole):,}: the file is cut short (an interrupted save, copy or download)")
+    with pytest.raises(CheckpointError, match=rf"^cannot read checkpoint {re.escape(str(path))}: it is a safetensors file "
+                                              r"of [\d,]+ bytes where its header describes [\d,]+: the file is cut short"):
         vtdense.load_pretrained(model, path)
+    # a torch.save zip archive cut short anywhere loses its end record
+    zipped = tmp_path / "cut.pth"
+    torch.save(model.state_dict(), zipped)
+    whole = zipped.read_bytes()
+    assert cut_short(zipped) is None
+    for cut in (whole[: len(whole) // 2], whole[:-1]):
+        zipped.write_bytes(cut)
+        with pytest.raises(CheckpointError, match=rf"^cannot read checkpoint {re.escape(str(zipped))}: it is a zip archive "
+                                                  rf"\(torch.save's format\) of {len(cut):,} bytes without the end record "
+                                                  r"that closes one: the file is cut short or damaged"):
+            vtdense.load_pretrained(model, zipped)
     other = tmp_path / "train.pth"
     torch.save({"net": model.state_dict(), "epoch": 3}, other)
     with pytest.raises(CheckpointError, match=rf"{re.escape(str(other))}: not a state dict of tensors"):

@@ -40,6 +40,7 @@ __all__ = [
     "find_last_checkpoint",
     "format_metrics_table",
     "resume_path",
+    "check_resume_checkpoint",
     "run_dir",
     "run_predict",
     "run_recipe",
@@ -198,6 +199,43 @@ def resume_path(trainer: Trainer, ckpt_path: str | None) -> str | None:
     return str(last)
 
 
+#: Entries of a checkpoint a Lightning fit resumes from (``save_weights_only`` checkpoints lack the last two).
+_RESUME_KEYS = ("state_dict", "optimizer_states", "loops")
+
+
+def check_resume_checkpoint(path: str, model: LightningModule) -> None:
+    """Refuse, before any training starts, a checkpoint a fit of ``model`` cannot resume from.
+
+    The file is read with its tensors mapped, not loaded (cheap at any size), and each rank reads
+    it on its own (no collective). A checkpoint is refused when it is cut short (an interrupted save
+    or copy), is no ``torch.save`` file or holds code, holds weights only (``save_weights_only``, or
+    a backbone file: ``model.backbone_weights`` is the option for those), or was written for another
+    task, backbone, head or class count (``check_checkpoint_fits``, where the task has it).
+
+    Raises:
+        ValueError: naming ``--ckpt_path``, the file and the reason.
+    """
+    from vtdense.checkpoints.io import read_task_checkpoint
+
+    try:
+        ckpt = read_task_checkpoint(path, mapped=True)
+    except ValueError as err:
+        raise ValueError(f"--ckpt_path: {err}") from None
+    missing = [k for k in _RESUME_KEYS if k not in ckpt]
+    if missing:
+        raise ValueError(
+            f"--ckpt_path: {path!r} cannot resume a fit: it has no {', '.join(missing)} (a checkpoint written with "
+            "save_weights_only, or not by a Lightning fit); to start a new run from a backbone's weights use "
+            "--model.backbone_weights"
+        )
+    fits = getattr(model, "check_checkpoint_fits", None)
+    if fits is not None:
+        try:
+            fits(ckpt, path)
+        except ValueError as err:
+            raise ValueError(f"--ckpt_path: {err}") from None
+
+
 #: Classes a vtdense checkpoint may hold besides tensors and plain values (a datamodule given a ``Path``).
 _SAFE_CHECKPOINT_CLASSES = (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
 
@@ -298,7 +336,11 @@ def run_recipe(
         cli = _build_cli(task_cls, datamodule_cls, default_config, args, demo_config)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
 
-    fit_resumable(trainer, model, datamodule, resume_path(trainer, cli.config.get("ckpt_path")))
+    with before_run():  # a missing, damaged or unfitting --ckpt_path: one line, before the run starts
+        resume = resume_path(trainer, cli.config.get("ckpt_path"))
+        if resume is not None:
+            check_resume_checkpoint(resume, model)
+    fit_resumable(trainer, model, datamodule, resume)
 
     ckpt_path: str | None = None
     callback = trainer.checkpoint_callback

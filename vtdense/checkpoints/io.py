@@ -21,6 +21,7 @@ import io
 import json
 import pathlib
 import pickle
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from torch import Tensor
 from vtdense.files import temp_path_beside
 
 __all__ = ["CheckpointError", "CheckpointFile", "read_checkpoint", "read_task_checkpoint", "write_safetensors",
-           "SAFETENSORS_CONFIG_KEY"]
+           "cut_short", "SAFETENSORS_CONFIG_KEY"]
 
 #: safetensors metadata key holding a vtdense backbone config (JSON).
 SAFETENSORS_CONFIG_KEY = "vtdense_backbone"
@@ -133,6 +134,35 @@ def _safetensors_head(head: bytes, size: int) -> bool:
     return len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < size
 
 
+def cut_short(path: str | Path) -> str | None:
+    """What is wrong with ``path`` when it is a torch zip archive or a safetensors file whose end is
+    missing (an interrupted save, copy or download): ``None`` for a whole file or one of another
+    kind. Only the first bytes, the header and the zip's end record are read."""
+    path = Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(16)
+        if head[:4] == b"PK\x03\x04":  # torch.save's zip archive: its directory is at the end
+            if zipfile.is_zipfile(f):
+                return None
+            return (f"it is a zip archive (torch.save's format) of {size:,} bytes without the end record that "
+                    "closes one: the file is cut short or damaged (an interrupted save, copy or download)")
+        if not _safetensors_head(head, size):
+            return None
+        n = int.from_bytes(head[:8], "little")
+        f.seek(8)
+        try:
+            header = json.loads(f.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError):
+            return None  # malformed rather than short: the reader's own error says more
+    expected = 8 + n + end
+    if size >= expected:
+        return None
+    return (f"it is a safetensors file of {size:,} bytes where its header describes {expected:,}: the file is cut "
+            "short (an interrupted save, copy or download)")
+
+
 def safetensors_metadata(path: str | Path) -> dict[str, str] | None:
     """The metadata of a safetensors file (no tensor is read); ``None`` for a file of another kind."""
     path = Path(path)
@@ -159,6 +189,9 @@ def read_checkpoint(path: str | Path) -> CheckpointFile:
     path = Path(path)
     with path.open("rb") as f:
         head = f.read(16)
+    damage = cut_short(path)
+    if damage is not None:
+        raise CheckpointReadError(f"cannot read checkpoint {path}: {damage}")
     if _safetensors_head(head, path.stat().st_size):
         from safetensors import safe_open
 
@@ -213,23 +246,34 @@ def _describe_head(head: bytes, size: int) -> str:
     return f"it is {kind}" if kind else f"it starts with {head[:8]!r}"
 
 
-def read_task_checkpoint(path: str | Path) -> dict[str, Any]:
+def read_task_checkpoint(path: str | Path, mapped: bool = False) -> dict[str, Any]:
     """A Lightning checkpoint of a vtdense task, read with ``torch.load(weights_only=True)`` on the
     CPU: tensors, plain containers and ``pathlib`` paths only, no code from the file runs.
+
+    Args:
+        path: the file.
+        mapped: map the tensors' bytes from the file instead of reading them (``torch.load``'s
+            ``mmap``; zip archives only, a legacy pickle is read whole): for a look at the
+            checkpoint's entries and shapes that costs little for any size.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: the file is no ``torch.save`` file at all (an image, a text file, an empty
-            file: neither a zip archive nor a binary pickle; the message says what it is), holds
-            other Python objects (the message says ``weights_only=True``) or is no checkpoint
-            dict; each message names the file.
+            file: neither a zip archive nor a binary pickle; the message says what it is), is cut
+            short (an interrupted save or copy), holds other Python objects (the message says
+            ``weights_only=True``) or is no checkpoint dict; each message names the file.
     """
     path = Path(path).expanduser()
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    damage = cut_short(path)
+    if damage is not None:
+        raise ValueError(f"cannot read checkpoint {str(path)!r}: {damage}")
     try:
+        with path.open("rb") as f:
+            zipped = f.read(2) == b"PK"
         with torch.serialization.safe_globals(_TASK_CHECKPOINT_GLOBALS):
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=mapped and zipped)
     except Exception as err:  # pickle / zip / weights-only errors all mean: not loadable safely
         with path.open("rb") as f:
             head = f.read(16)
