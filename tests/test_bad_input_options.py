@@ -216,6 +216,30 @@ def test_a_ckpt_path_a_fit_cannot_resume_from_is_one_line_before_the_run(
     check_resume_checkpoint("whole.ckpt", DetectionTask(backbone="swin_tiny", num_classes=3))
 
 
+def test_a_sharded_checkpoint_folder_resumes_and_other_folders_are_refused(tmp_path: Path) -> None:
+    """FSDP with ``save_distributed_checkpoint=True`` writes ``last.ckpt`` as a folder (one shard per
+    rank and ``.metadata``): ``--ckpt_path last`` finds it (before, a folder was passed over and the
+    run started anew) and so does a path to it; a folder that is no sharded checkpoint is one error.
+    (A 2-process FSDP fit resumed from such a folder by the recipe: checked by hand, 2026-11-29.)"""
+    from lightning.pytorch import Trainer
+
+    from vtdense.cli import check_resume_checkpoint, find_last_checkpoint, resume_path
+    from vtdense.tasks.detection import DetectionTask
+
+    sharded = tmp_path / "lightning_logs" / "version_3" / "checkpoints" / "last.ckpt"
+    sharded.mkdir(parents=True)
+    (sharded / "__0_0.distcp").write_bytes(b"")
+    trainer = Trainer(default_root_dir=tmp_path, accelerator="cpu", devices=1, enable_progress_bar=False)
+    assert find_last_checkpoint(tmp_path) is None and resume_path(trainer, "last") is None  # no .metadata yet
+    with pytest.raises(FileNotFoundError, match=r"is a folder, but no sharded checkpoint \(no \.metadata in it\)$"):
+        resume_path(trainer, str(sharded))
+    (sharded / ".metadata").write_bytes(b"")
+    assert find_last_checkpoint(tmp_path) == sharded
+    assert resume_path(trainer, "last") == str(sharded) and trainer.logger.version == 3  # the same run directory
+    assert resume_path(trainer, str(sharded)) == str(sharded)
+    check_resume_checkpoint(str(sharded), DetectionTask(backbone="swin_tiny", num_classes=3))  # the shards: Lightning's
+
+
 def test_errors_during_the_run_keep_their_traceback(capsys: pytest.CaptureFixture[str]) -> None:
     from vtdense import cli
 

@@ -38,6 +38,7 @@ __all__ = [
     "VtdenseCLI",
     "choose_config",
     "find_last_checkpoint",
+    "is_distributed_checkpoint",
     "format_metrics_table",
     "resume_path",
     "check_resume_checkpoint",
@@ -163,9 +164,17 @@ class VtdenseCLI(LightningCLI):
 run_dir = resolve_run_dir
 
 
+def is_distributed_checkpoint(path: str | Path) -> bool:
+    """Whether ``path`` is the folder of a sharded checkpoint (``torch.distributed.checkpoint``: one
+    file per rank and a ``.metadata`` file), as Lightning's model-parallel strategy writes with
+    ``save_distributed_checkpoint=True`` (:class:`vtdense.strategies.VtdenseFSDPStrategy`)."""
+    return Path(path).is_dir() and (Path(path) / ".metadata").is_file()
+
+
 def find_last_checkpoint(root: str | Path) -> Path | None:
-    """The newest ``<root>/**/checkpoints/last.ckpt`` (by modification time), or ``None``."""
-    found = [p for p in Path(root).glob("**/checkpoints/last.ckpt") if p.is_file()]
+    """The newest ``<root>/**/checkpoints/last.ckpt`` (by modification time), a file or the folder
+    of a sharded checkpoint, or ``None``."""
+    found = [p for p in Path(root).glob("**/checkpoints/last.ckpt") if p.is_file() or is_distributed_checkpoint(p)]
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
@@ -183,7 +192,9 @@ def resume_path(trainer: Trainer, ckpt_path: str | None) -> str | None:
     if ckpt_path is None:
         return None
     if ckpt_path != "last":
-        if not os.path.isfile(ckpt_path):
+        if os.path.isdir(ckpt_path) and not is_distributed_checkpoint(ckpt_path):
+            raise FileNotFoundError(f"--ckpt_path {ckpt_path!r} is a folder, but no sharded checkpoint (no .metadata in it)")
+        if not os.path.isfile(ckpt_path) and not is_distributed_checkpoint(ckpt_path):
             raise FileNotFoundError(f"--ckpt_path {ckpt_path!r} does not exist")
         return ckpt_path
     last = find_last_checkpoint(trainer.default_root_dir)
@@ -217,6 +228,8 @@ def check_resume_checkpoint(path: str, model: LightningModule) -> None:
     """
     from vtdense.checkpoints.io import read_task_checkpoint
 
+    if is_distributed_checkpoint(path):
+        return  # each rank reads its own shard inside the fit; Lightning checks the folder there
     try:
         ckpt = read_task_checkpoint(path, mapped=True)
     except ValueError as err:
@@ -346,7 +359,7 @@ def run_recipe(
     callback = trainer.checkpoint_callback
     if isinstance(callback, ModelCheckpoint) and not trainer.fast_dev_run:
         best = callback.best_model_path or callback.last_model_path
-        if best and os.path.isfile(best):
+        if best and (os.path.isfile(best) or is_distributed_checkpoint(best)):
             ckpt_path = best
     # every rank validates the same checkpoint (rank 0's view of the file system decides)
     ckpt_path = trainer.strategy.broadcast(ckpt_path)
