@@ -16,6 +16,7 @@ from typing import Any, Callable
 import pytest
 
 import vtdense
+from hub_cache import hub_cache  # noqa: F401  (fixture)
 from vtdense.models.detection import build_detector, list_heads
 from vtdense.models.segmentation import ARCHITECTURES, build_segmentor
 from vtdense.tasks.detection import LR_SCHEDULES, METRIC_BACKENDS, DetectionTask
@@ -214,6 +215,39 @@ def test_a_ckpt_path_a_fit_cannot_resume_from_is_one_line_before_the_run(
     from vtdense.tasks.detection import DetectionTask
 
     check_resume_checkpoint("whole.ckpt", DetectionTask(backbone="swin_tiny", num_classes=3))
+
+
+def test_backbone_weights_missing_or_cut_short_is_one_line_before_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        hub_cache: Callable[..., Path]) -> None:  # noqa: F811
+    """``--model.backbone_weights``: a misspelt path, a file cut short, a Hub id in neither the cache
+    nor (offline) the Hub: ``error: --model.backbone_weights: ...`` naming it, status 2, no run
+    directory (these used to end the run once it had started, with a traceback). A Hub id in the
+    cache passes the same check."""
+    from vtdense.cli import check_backbone_weights
+
+    recipe = _recipe()
+    monkeypatch.chdir(tmp_path)
+    model = vtdense.create_backbone("swin_tiny", embed_dim=32, depths=(1, 1, 1, 1), num_heads=(1, 2, 4, 8))
+    whole = vtdense.save_backbone(model, tmp_path / "whole.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(whole[: len(whole) // 2])
+    cases = {
+        "swin_tiny_in1k.pth": "error: --model.backbone_weights: checkpoint file not found: swin_tiny_in1k.pth",
+        "cut.safetensors": f"error: --model.backbone_weights: cannot read checkpoint cut.safetensors: it is a safetensors "
+                           f"file of {len(whole) // 2:,} bytes where its header describes {len(whole):,}: the file is cut short",
+        "timm/no_such_model": "error: --model.backbone_weights: Hub checkpoint 'timm/no_such_model': none of",
+    }
+    for name, expected in cases.items():
+        monkeypatch.setattr(sys, "argv", [str(RECIPE), "--model.backbone_weights", name, "--trainer.default_root_dir=run"])
+        with pytest.raises(SystemExit) as info:
+            recipe.run_script(recipe.main)
+        assert info.value.code == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(expected), (name, err)
+        assert not (tmp_path / "run").exists()
+    hub_cache("timm/tiny_swin", {"model.safetensors": model.state_dict()})
+    check_backbone_weights("timm/tiny_swin")
+    check_backbone_weights(tmp_path / "whole.safetensors")
 
 
 def test_a_sharded_checkpoint_folder_resumes_and_other_folders_are_refused(tmp_path: Path) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "format_metrics_table",
     "resume_path",
     "check_resume_checkpoint",
+    "check_backbone_weights",
     "run_dir",
     "run_predict",
     "run_recipe",
@@ -249,6 +250,21 @@ def check_resume_checkpoint(path: str, model: LightningModule) -> None:
             raise ValueError(f"--ckpt_path: {err}") from None
 
 
+def check_backbone_weights(spec: str | os.PathLike) -> None:
+    """``--model.backbone_weights`` found and whole, before the run starts
+    (:func:`vtdense.checkpoints.convert.check_checkpoint_source`; a Hub id is fetched into the cache).
+
+    Raises:
+        ValueError: naming the option and the file or Hub id.
+    """
+    from vtdense.checkpoints.convert import check_checkpoint_source
+
+    try:
+        check_checkpoint_source(spec)
+    except ValueError as err:
+        raise ValueError(f"--model.backbone_weights: {err}") from None
+
+
 #: Classes a vtdense checkpoint may hold besides tensors and plain values (a datamodule given a ``Path``).
 _SAFE_CHECKPOINT_CLASSES = (pathlib.PosixPath, pathlib.WindowsPath, pathlib.PurePosixPath, pathlib.PureWindowsPath)
 
@@ -353,6 +369,9 @@ def run_recipe(
         resume = resume_path(trainer, cli.config.get("ckpt_path"))
         if resume is not None:
             check_resume_checkpoint(resume, model)
+        weights = (getattr(model, "hparams", None) or {}).get("backbone_weights")
+        if weights is not None:
+            check_backbone_weights(weights)
     fit_resumable(trainer, model, datamodule, resume)
 
     ckpt_path: str | None = None

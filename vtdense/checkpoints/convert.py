@@ -40,6 +40,7 @@ from vtdense.checkpoints.report import LoadReport, active_report, note, note_der
 
 __all__ = [
     "CheckpointError",
+    "check_checkpoint_source",
     "build_pretrained",
     "LoadReport",
     "convert_state_dict",
@@ -530,6 +531,31 @@ def _source_windows_from_buffers(report: LoadReport, obj: object) -> None:
     report.source_log_cpb_fixed = normalising != in_use
     if report.source_window is None:
         report.source_window = (max(h for h, _ in in_use), max(w for _, w in in_use))
+
+
+def check_checkpoint_source(spec: str | os.PathLike) -> Path:
+    """Find the file a path or Hub id names, and check that it is whole, without reading its
+    tensors: what a run checks before it starts, so that a misspelt or cut-short
+    ``backbone_weights`` is one error at start-up instead of a traceback once training begins. A
+    Hub id is fetched into the Hub cache here (the later load reads it from there).
+
+    Returns:
+        The local file.
+
+    Raises:
+        CheckpointError: the file or Hub id is not found, or the file is cut short (names it).
+    """
+    from vtdense.checkpoints.hub import HubError, resolve_checkpoint
+    from vtdense.checkpoints.io import cut_short
+
+    try:
+        path = resolve_checkpoint(spec).path
+    except (FileNotFoundError, HubError) as e:
+        raise CheckpointError(str(e)) from None
+    damage = cut_short(path)
+    if damage is not None:
+        raise CheckpointError(f"cannot read checkpoint {path}: {damage}")
+    return path
 
 
 def _read_source(state_dict_or_path: object, report: LoadReport) -> object:
