@@ -145,6 +145,8 @@ def test_misspelt_option_gets_one_short_error_with_the_closest_name(
         (["--model.head", "mask_rcn"], "error: unknown head 'mask_rcn'"),
         (["--model.triton_attention", "maybe"],
          "error: triton_attention must be true, false or 'auto' (option 'triton_attention'), got 'maybe'"),
+        (["--model.lr", "-1"], "error: lr must be a number in (0, inf) (option 'lr'), got -1.0"),
+        (["--model.weight_decay", "-0.05"], "error: weight_decay must be a number in [0, inf) (option 'weight_decay'), got -0.05"),
         (["predict", "--ckpt_path", "missing.ckpt", "--data.predict_path", "."],
          "error: --ckpt_path: checkpoint not found: missing.ckpt"),
     ],
@@ -272,6 +274,30 @@ def test_a_sharded_checkpoint_folder_resumes_and_other_folders_are_refused(tmp_p
     assert resume_path(trainer, "last") == str(sharded) and trainer.logger.version == 3  # the same run directory
     assert resume_path(trainer, str(sharded)) == str(sharded)
     check_resume_checkpoint(str(sharded), DetectionTask(backbone="swin_tiny", num_classes=3))  # the shards: Lightning's
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (dict(lr=0.0), "lr must be a number in (0, inf) (option 'lr'), got 0.0"),
+        (dict(lr=float("nan")), "lr must be a number in (0, inf) (option 'lr'), got nan"),
+        (dict(warmup_factor=1.5), "warmup_factor must be a number in [0, 1] (option 'warmup_factor'), got 1.5"),
+        (dict(poly_power=-1.0), "poly_power must be a number in [0, inf) (option 'poly_power'), got -1.0"),
+        (dict(min_lr_factor=2.0), "min_lr_factor must be a number in [0, 1] (option 'min_lr_factor'), got 2.0"),
+        (dict(warmup_steps=2.5), "warmup_steps must be a whole number >= 0 (option 'warmup_steps'), got 2.5"),
+        (dict(betas=(0.9, 1.0)), "betas must be two numbers in [0, 1) (option 'betas'), got (0.9, 1.0)"),
+    ],
+)
+def test_segmentation_schedule_numbers_out_of_range_name_the_option(options: dict[str, Any], expected: str) -> None:
+    """Optimiser and schedule numbers are checked when the task is built (before, torch's AdamW refused
+    a negative lr only once the trainer had started, and a negative weight decay or a warmup factor
+    over 1 trained without a word)."""
+    with pytest.raises(ValueError) as info:
+        SegmentationTask(num_classes=3, backbone_kwargs=dict(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8]),
+                         **options)
+    assert str(info.value) == expected
+    with pytest.raises(ValueError, match=r"^lr_gamma must be a number in \(0, inf\) \(option 'lr_gamma'\), got 0$"):
+        DetectionTask(num_classes=3, lr_gamma=0)
 
 
 def test_errors_during_the_run_keep_their_traceback(capsys: pytest.CaptureFixture[str]) -> None:

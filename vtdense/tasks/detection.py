@@ -48,6 +48,7 @@ from vtdense.tasks.optim import (
     apply_layer_decay,
     check_no_decay,
     check_optimizer,
+    check_schedule_numbers,
     make_optimizer,
     param_groups,
     warmup_schedule,
@@ -287,6 +288,8 @@ class DetectionTask(BaseTask):
             raise ValueError(f"unknown head {head!r} (option 'head'); choose one of {', '.join(list_heads())}")
         check_no_decay(no_decay)
         check_optimizer(optimizer, momentum)
+        check_schedule_numbers(lr=lr, weight_decay=weight_decay, backbone_lr_mult=backbone_lr_mult, lr_gamma=lr_gamma,
+                               warmup_steps=warmup_steps, warmup_factor=warmup_factor)
         if lr_schedule not in LR_SCHEDULES:
             raise ValueError(
                 f"unknown lr_schedule {lr_schedule!r} (option 'lr_schedule'); choose one of {', '.join(LR_SCHEDULES)}"

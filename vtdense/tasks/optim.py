@@ -16,6 +16,7 @@ __all__ = [
     "apply_layer_decay",
     "check_no_decay",
     "check_optimizer",
+    "check_schedule_numbers",
     "fused_adamw_blocker",
     "layer_ids",
     "make_optimizer",
@@ -316,6 +317,47 @@ def check_optimizer(name: str, momentum: float = 0.9) -> str:
     if not 0.0 <= float(momentum) < 1.0:
         raise ValueError(f"momentum must be in [0, 1) (option 'momentum'), got {momentum}")
     return name
+
+
+#: Option -> (lowest, lowest allowed itself, highest, highest allowed itself) for
+#: :func:`check_schedule_numbers`; ``None``: no bound on that side.
+_NUMBER_RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
+    "lr": (0.0, False, None, False),
+    "weight_decay": (0.0, True, None, False),
+    "backbone_lr_mult": (0.0, True, None, False),
+    "warmup_factor": (0.0, True, 1.0, True),
+    "lr_gamma": (0.0, False, None, False),
+    "poly_power": (0.0, True, None, False),
+    "min_lr_factor": (0.0, True, 1.0, True),
+}
+
+
+def check_schedule_numbers(*, warmup_steps: int | None = None, betas: Sequence[float] | None = None,
+                           **numbers: float | None) -> None:
+    """One ``ValueError`` naming the option and the value when an optimiser or schedule number is
+    out of range, before the run starts (torch's optimisers refuse some only when built, after the
+    trainer has started; others, such as a negative weight decay, would train wrongly): ``lr`` and
+    ``lr_gamma`` finite and > 0; ``weight_decay``, ``backbone_lr_mult``, ``poly_power`` finite and
+    >= 0; ``warmup_factor`` and ``min_lr_factor`` in [0, 1]; ``warmup_steps`` a whole number >= 0;
+    ``betas`` two numbers in [0, 1). ``None`` values are not checked."""
+    for name, value in numbers.items():
+        if value is None:
+            continue
+        low, low_ok, high, high_ok = _NUMBER_RANGES[name]
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        ok = ok and (low is None or value > low or (low_ok and value == low))
+        ok = ok and (high is None or value < high or (high_ok and value == high))
+        if not ok:
+            lo = "" if low is None else ("[" if low_ok else "(") + f"{low:g}"
+            hi = "inf)" if high is None else f"{high:g}" + ("]" if high_ok else ")")
+            raise ValueError(f"{name} must be a number in {lo}, {hi} (option '{name}'), got {value!r}")
+    if warmup_steps is not None and (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0):
+        raise ValueError(f"warmup_steps must be a whole number >= 0 (option 'warmup_steps'), got {warmup_steps!r}")
+    if betas is not None:
+        pair = list(betas) if isinstance(betas, (list, tuple)) else None
+        if pair is None or len(pair) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                                     and 0.0 <= b < 1.0 for b in pair):
+            raise ValueError(f"betas must be two numbers in [0, 1) (option 'betas'), got {betas!r}")
 
 
 def make_optimizer(

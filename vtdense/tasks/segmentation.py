@@ -39,7 +39,15 @@ from vtdense.models.segmentation import (
     logits_at,
 )
 from vtdense.tasks.base import BaseTask
-from vtdense.tasks.optim import adamw, apply_layer_decay, check_no_decay, layer_ids, param_groups, warmup_schedule
+from vtdense.tasks.optim import (
+    adamw,
+    apply_layer_decay,
+    check_no_decay,
+    check_schedule_numbers,
+    layer_ids,
+    param_groups,
+    warmup_schedule,
+)
 
 _logger = logging.getLogger(__name__)
 
@@ -199,6 +207,8 @@ class SegmentationTask(BaseTask):
         self.check_triton_attention_option(triton_attention)
         check_compile_option(compile_backbone)
         check_no_decay(no_decay)
+        check_schedule_numbers(lr=lr, weight_decay=weight_decay, warmup_steps=warmup_steps, warmup_factor=warmup_factor,
+                               poly_power=poly_power, min_lr_factor=min_lr_factor, betas=betas)
         self.save_hyperparameters()
         if arch.lower() not in ARCHITECTURES:
             raise ValueError(f"model.arch: unknown architecture {arch!r}; choose one of {', '.join(sorted(ARCHITECTURES))}")
