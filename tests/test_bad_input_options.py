@@ -146,6 +146,9 @@ def test_misspelt_option_gets_one_short_error_with_the_closest_name(
         (["--model.triton_attention", "maybe"],
          "error: triton_attention must be true, false or 'auto' (option 'triton_attention'), got 'maybe'"),
         (["--model.lr", "-1"], "error: lr must be a number in (0, inf) (option 'lr'), got -1.0"),
+        # the network is built in setup (its class count comes from the data); a meta-device build checks it first
+        (["--model.backbone_kwargs", "{window_size: 0}"], "error: window_size must be positive, got 0"),
+        (["--model.fpn_channels", "0"], "error: fpn_channels must be a positive int (option 'fpn_channels'), got 0"),
         (["--model.weight_decay", "-0.05"], "error: weight_decay must be a number in [0, inf) (option 'weight_decay'), got -0.05"),
         (["predict", "--ckpt_path", "missing.ckpt", "--data.predict_path", "."],
          "error: --ckpt_path: checkpoint not found: missing.ckpt"),
@@ -298,6 +301,19 @@ def test_segmentation_schedule_numbers_out_of_range_name_the_option(options: dic
     assert str(info.value) == expected
     with pytest.raises(ValueError, match=r"^lr_gamma must be a number in \(0, inf\) \(option 'lr_gamma'\), got 0$"):
         DetectionTask(num_classes=3, lr_gamma=0)
+
+
+def test_a_task_without_a_class_count_checks_its_network_on_the_meta_device() -> None:
+    """With ``num_classes`` left to the datamodule, the task builds its network on the meta device once
+    to check the options, and keeps nothing of it: no model yet, hyperparameters as given."""
+    tiny = dict(embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 2, 4, 8])
+    task = SegmentationTask(backbone_kwargs=tiny, backbone_weights="not/read_here")
+    assert task.model is None and not hasattr(task, "aux_head") and task.hparams["num_classes"] is None
+    assert task.hparams["backbone_weights"] == "not/read_here" and list(task.parameters()) == []
+    with pytest.raises(ValueError, match=r"depths \(1, 1\) and num_heads \(1, 2, 4, 8\) must have the same length"):
+        SegmentationTask(backbone_kwargs={**tiny, "depths": [1, 1]})
+    det = DetectionTask(backbone_kwargs=tiny)
+    assert det.model is None and list(det.parameters()) == []
 
 
 def test_errors_during_the_run_keep_their_traceback(capsys: pytest.CaptureFixture[str]) -> None:

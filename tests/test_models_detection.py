@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -244,6 +245,14 @@ def test_bad_options_raise_clear_errors() -> None:
         tiny_detector("fcos", fpn_channels=48)
     with pytest.raises(ValueError, match="num_classes"):
         build_detector(tiny_backbone(), "mask_rcnn", 0)
+    # widths and counts that built a detector failing at its first forward (fpn_channels=0), or
+    # one that never detects anything (detections_per_img=0, score_thresh=2)
+    for bad, message in ((dict(fpn_channels=0), "fpn_channels must be a positive int (option 'fpn_channels'), got 0"),
+                         (dict(detections_per_img=0), "detections_per_img must be a positive int (option 'detections_per_img')"),
+                         (dict(box_head_width=-8), "box_head_width must be a positive int or None (option 'box_head_width')"),
+                         (dict(score_thresh=2.0), "score_thresh must be a number in [0, 1] (option 'score_thresh'), got 2.0")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            tiny_detector("mask_rcnn", **bad)
 
 
 def test_mvitv2_mask_rcnn_with_hybrid_windows_trains() -> None:

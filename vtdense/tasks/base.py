@@ -176,6 +176,27 @@ class BaseTask(LightningModule):
         self.configure_models()
         self.configure_metrics()
 
+    def check_architecture(self) -> None:
+        """Build the network once on the meta device (no memory, no weights read), with one class,
+        and drop it: an option the backbone, neck or head refuses is then one error when the task
+        is made, not a traceback from the trainer's setup, where a task whose class count comes from
+        the datamodule builds its network."""
+        hp = self.hparams
+        saved = {k: hp[k] for k in ("num_classes", "backbone_weights") if k in hp}
+        modules, plain = dict(self._modules), dict(self.__dict__)
+        try:
+            hp["num_classes"] = 1
+            if "backbone_weights" in hp:
+                hp["backbone_weights"] = None
+            with torch.device("meta"):
+                self.configure_models()
+        finally:
+            hp.update(saved)
+            self._modules.clear()
+            self._modules.update(modules)
+            self.__dict__.clear()
+            self.__dict__.update(plain)
+
     def fsdp_units(self) -> list[torch.nn.Module]:
         """The modules whose ``forward`` the task's steps call: under FSDP each becomes a unit that
         owns the parameters outside the transformer blocks (default: ``[self.model]``)."""

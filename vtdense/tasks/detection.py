@@ -334,6 +334,8 @@ class DetectionTask(BaseTask):
         self._backbone_loaded = False
         if num_classes is not None:
             self.build()
+        else:
+            self.check_architecture()  # the network itself is built in setup, from the datamodule's class count
 
     # ------------------------------------------------------------------ building
     @property

@@ -227,6 +227,8 @@ class SegmentationTask(BaseTask):
         self.configure_losses()
         if num_classes is not None:
             self.build()
+        else:
+            self.check_architecture()  # the network itself is built in setup, from the datamodule's class count
 
     def setup(self, stage: str) -> None:
         """Build the model now if ``num_classes`` comes from the datamodule."""
