@@ -303,6 +303,33 @@ def test_segmentation_schedule_numbers_out_of_range_name_the_option(options: dic
         DetectionTask(num_classes=3, lr_gamma=0)
 
 
+def test_an_option_the_task_and_the_data_take_differently_is_one_line_before_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--model.ignore_index -5`` with the data module's 255: Lightning refuses it once the fit has
+    started ("Error while merging hparams", a traceback); the recipe says so first, in one line. The
+    segmentation task's own widths are checked when it is made."""
+    spec = importlib.util.spec_from_file_location("ade20k_recipe_bad_input", REPO / "recipes" / "ade20k_swinv2.py")
+    assert spec is not None and spec.loader is not None
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    from tests.test_recipe_ade20k import make_tiny_args
+
+    args = make_tiny_args(tmp_path)  # its run directory: tmp_path / "run"
+    monkeypatch.chdir(tmp_path)
+    for option, expected in (
+        ("--model.ignore_index=-5", "error: --model.ignore_index=-5 but --data.ignore_index=255: the task and the data "
+                                    "module take this option alike; give both the same value"),
+        ("--model.aux_channels=0", "error: model.aux_channels must be a whole number >= 1, got 0"),
+    ):
+        monkeypatch.setattr(sys, "argv", ["ade20k_swinv2.py", *args, option])
+        with pytest.raises(SystemExit) as info:
+            recipe.run_script(recipe.main)
+        assert info.value.code == 2, option
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [expected], err
+        assert not (tmp_path / "run").exists()
+
+
 def test_a_task_without_a_class_count_checks_its_network_on_the_meta_device() -> None:
     """With ``num_classes`` left to the datamodule, the task builds its network on the meta device once
     to check the options, and keeps nothing of it: no model yet, hyperparameters as given."""

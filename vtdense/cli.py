@@ -43,6 +43,7 @@ __all__ = [
     "resume_path",
     "check_resume_checkpoint",
     "check_backbone_weights",
+    "check_shared_hparams",
     "run_dir",
     "run_predict",
     "run_recipe",
@@ -250,6 +251,29 @@ def check_resume_checkpoint(path: str, model: LightningModule) -> None:
             raise ValueError(f"--ckpt_path: {err}") from None
 
 
+def check_shared_hparams(trainer: Trainer, model: LightningModule, datamodule: LightningDataModule) -> None:
+    """Refuse, before the run starts, an option that the task and the data module both take with
+    different values (``--model.ignore_index -1`` with the data's 255): Lightning refuses it too,
+    with a traceback, once the fit has started and it first logs the hyperparameters. The same
+    comparison as Lightning's: a different type or value.
+
+    Raises:
+        ValueError: naming each such option and both values.
+    """
+    if not trainer.loggers or not getattr(model, "_log_hyperparams", False) or not getattr(datamodule, "_log_hyperparams", False):
+        return
+    mine, theirs = model.hparams_initial, datamodule.hparams_initial
+    def same(a: Any, b: Any) -> bool:
+        if type(a) is not type(b):
+            return False
+        return a is b if isinstance(a, torch.Tensor) else bool(a == b)
+
+    differ = [k for k in sorted(set(mine) & set(theirs)) if k != "_class_path" and not same(mine[k], theirs[k])]
+    if differ:
+        both = "; ".join(f"--model.{k}={mine[k]!r} but --data.{k}={theirs[k]!r}" for k in differ)
+        raise ValueError(f"{both}: the task and the data module take this option alike; give both the same value")
+
+
 def check_backbone_weights(spec: str | os.PathLike) -> None:
     """``--model.backbone_weights`` found and whole, before the run starts
     (:func:`vtdense.checkpoints.convert.check_checkpoint_source`; a Hub id is fetched into the cache).
@@ -372,6 +396,7 @@ def run_recipe(
         weights = (getattr(model, "hparams", None) or {}).get("backbone_weights")
         if weights is not None:
             check_backbone_weights(weights)
+        check_shared_hparams(trainer, model, datamodule)
     fit_resumable(trainer, model, datamodule, resume)
 
     ckpt_path: str | None = None

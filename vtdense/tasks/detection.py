@@ -319,6 +319,10 @@ class DetectionTask(BaseTask):
         ):
             raise ValueError(f"size_divisibility must be a positive int (option 'size_divisibility'), got {size_divisibility!r}")
         check_mask_rois_multiple(mask_rois_multiple)
+        if isinstance(num_vis_images, bool) or not isinstance(num_vis_images, int) or num_vis_images < 0:
+            raise ValueError(f"num_vis_images must be a whole number >= 0 (option 'num_vis_images'), got {num_vis_images!r}")
+        if isinstance(vis_score_thresh, bool) or not isinstance(vis_score_thresh, (int, float)) or not 0 <= vis_score_thresh <= 1:
+            raise ValueError(f"vis_score_thresh must be a number in [0, 1] (option 'vis_score_thresh'), got {vis_score_thresh!r}")
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         self.check_recompute_option(activation_recompute_min_bytes)
         self.check_triton_attention_option(triton_attention)
