@@ -319,7 +319,7 @@ def test_an_option_the_task_and_the_data_take_differently_is_one_line_before_the
     for option, expected in (
         ("--model.ignore_index=-5", "error: --model.ignore_index=-5 but --data.ignore_index=255: the task and the data "
                                     "module take this option alike; give both the same value"),
-        ("--model.aux_channels=0", "error: model.aux_channels must be a whole number >= 1, got 0"),
+        ("--model.aux_channels=0", "error: aux_channels must be a positive int (option 'aux_channels'), got 0"),
     ):
         monkeypatch.setattr(sys, "argv", ["ade20k_swinv2.py", *args, option])
         with pytest.raises(SystemExit) as info:

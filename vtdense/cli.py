@@ -263,6 +263,7 @@ def check_shared_hparams(trainer: Trainer, model: LightningModule, datamodule: L
     if not trainer.loggers or not getattr(model, "_log_hyperparams", False) or not getattr(datamodule, "_log_hyperparams", False):
         return
     mine, theirs = model.hparams_initial, datamodule.hparams_initial
+
     def same(a: Any, b: Any) -> bool:
         if type(a) is not type(b):
             return False

@@ -40,6 +40,7 @@ from vtdense.models.paste_masks import paste_masks
 from vtdense.models.rcnn_waits import LowWaitRoIHeads, device_constant, reduce_host_waits
 from vtdense.models.roi_pool import LevelSortedRoIAlign
 from vtdense.models.retinanet_waits import LOSS_NORMALIZATIONS
+from vtdense.options import check_int, check_number
 
 __all__ = [
     "HEADS",
@@ -643,13 +644,12 @@ def build_detector(
         raise ValueError(f"backbone must be a vtdense Backbone or a backbone name, got {type(backbone).__name__}")
     if mask_head_layers < 1:
         raise ValueError(f"mask_head_layers must be >= 1, got {mask_head_layers}")
-    for name, value, optional in (("fpn_channels", fpn_channels, False), ("detections_per_img", detections_per_img, False),
-                                  ("mask_head_channels", mask_head_channels, True), ("box_head_width", box_head_width, True),
-                                  ("rois_per_image", rois_per_image, True)):
-        if not (optional and value is None) and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be a positive int{' or None' if optional else ''} (option '{name}'), got {value!r}")
-    if isinstance(score_thresh, bool) or not isinstance(score_thresh, (int, float)) or not 0.0 <= score_thresh <= 1.0:
-        raise ValueError(f"score_thresh must be a number in [0, 1] (option 'score_thresh'), got {score_thresh!r}")
+    check_int("fpn_channels", fpn_channels)
+    check_int("detections_per_img", detections_per_img)
+    for name, value in (("mask_head_channels", mask_head_channels), ("box_head_width", box_head_width),
+                        ("rois_per_image", rois_per_image)):
+        check_int(name, value, optional=True)
+    check_number("score_thresh", score_thresh, low=0.0, high=1.0)
     check_mask_rois_multiple(mask_rois_multiple)
     if backbone_weights is not None:
         from vtdense.checkpoints.convert import load_pretrained

@@ -43,6 +43,7 @@ from vtdense.models.detection import (HEADS, build_detector, list_heads, set_roi
                                      unpasted_masks)
 from vtdense.models.paste_masks import paste_masks
 from vtdense.models.mask_rois import check_mask_rois_multiple
+from vtdense.options import check_int, check_number
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import (
     apply_layer_decay,
@@ -319,10 +320,8 @@ class DetectionTask(BaseTask):
         ):
             raise ValueError(f"size_divisibility must be a positive int (option 'size_divisibility'), got {size_divisibility!r}")
         check_mask_rois_multiple(mask_rois_multiple)
-        if isinstance(num_vis_images, bool) or not isinstance(num_vis_images, int) or num_vis_images < 0:
-            raise ValueError(f"num_vis_images must be a whole number >= 0 (option 'num_vis_images'), got {num_vis_images!r}")
-        if isinstance(vis_score_thresh, bool) or not isinstance(vis_score_thresh, (int, float)) or not 0 <= vis_score_thresh <= 1:
-            raise ValueError(f"vis_score_thresh must be a number in [0, 1] (option 'vis_score_thresh'), got {vis_score_thresh!r}")
+        check_int("num_vis_images", num_vis_images, low=0)
+        check_number("vis_score_thresh", vis_score_thresh, low=0.0, high=1.0)
         self.check_fault_options(nonfinite_loss, checkpoint_every_n_steps)
         self.check_recompute_option(activation_recompute_min_bytes)
         self.check_triton_attention_option(triton_attention)

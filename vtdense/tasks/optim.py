@@ -8,6 +8,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
+from vtdense.options import check_int, check_number
+
 __all__ = [
     "NO_DECAY_KEYWORDS",
     "NO_DECAY_RULES",
@@ -319,16 +321,15 @@ def check_optimizer(name: str, momentum: float = 0.9) -> str:
     return name
 
 
-#: Option -> (lowest, lowest allowed itself, highest, highest allowed itself) for
-#: :func:`check_schedule_numbers`; ``None``: no bound on that side.
-_NUMBER_RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
-    "lr": (0.0, False, None, False),
-    "weight_decay": (0.0, True, None, False),
-    "backbone_lr_mult": (0.0, True, None, False),
-    "warmup_factor": (0.0, True, 1.0, True),
-    "lr_gamma": (0.0, False, None, False),
-    "poly_power": (0.0, True, None, False),
-    "min_lr_factor": (0.0, True, 1.0, True),
+#: Option -> keyword arguments of :func:`vtdense.options.check_number` for :func:`check_schedule_numbers`.
+_NUMBER_RANGES: dict[str, dict[str, Any]] = {
+    "lr": dict(low=0.0, low_open=True),
+    "weight_decay": dict(low=0.0),
+    "backbone_lr_mult": dict(low=0.0),
+    "warmup_factor": dict(low=0.0, high=1.0),
+    "lr_gamma": dict(low=0.0, low_open=True),
+    "poly_power": dict(low=0.0),
+    "min_lr_factor": dict(low=0.0, high=1.0),
 }
 
 
@@ -341,18 +342,10 @@ def check_schedule_numbers(*, warmup_steps: int | None = None, betas: Sequence[f
     >= 0; ``warmup_factor`` and ``min_lr_factor`` in [0, 1]; ``warmup_steps`` a whole number >= 0;
     ``betas`` two numbers in [0, 1). ``None`` values are not checked."""
     for name, value in numbers.items():
-        if value is None:
-            continue
-        low, low_ok, high, high_ok = _NUMBER_RANGES[name]
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        ok = ok and (low is None or value > low or (low_ok and value == low))
-        ok = ok and (high is None or value < high or (high_ok and value == high))
-        if not ok:
-            lo = "" if low is None else ("[" if low_ok else "(") + f"{low:g}"
-            hi = "inf)" if high is None else f"{high:g}" + ("]" if high_ok else ")")
-            raise ValueError(f"{name} must be a number in {lo}, {hi} (option '{name}'), got {value!r}")
-    if warmup_steps is not None and (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0):
-        raise ValueError(f"warmup_steps must be a whole number >= 0 (option 'warmup_steps'), got {warmup_steps!r}")
+        if value is not None:
+            check_number(name, value, **_NUMBER_RANGES[name])
+    if warmup_steps is not None:
+        check_int("warmup_steps", warmup_steps, low=0)
     if betas is not None:
         pair = list(betas) if isinstance(betas, (list, tuple)) else None
         if pair is None or len(pair) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)

@@ -38,6 +38,7 @@ from vtdense.models.segmentation import (
     input_multiple,
     logits_at,
 )
+from vtdense.options import check_int, check_number
 from vtdense.tasks.base import BaseTask
 from vtdense.tasks.optim import (
     adamw,
@@ -220,11 +221,9 @@ class SegmentationTask(BaseTask):
             raise ValueError(f"model.aux_weight > 0 needs backbone stage 3, i.e. encoder_depth >= 4 (got {encoder_depth})")
         if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"model.layer_decay must be in (0, 1], got {layer_decay}")
-        if isinstance(aux_weight, bool) or not isinstance(aux_weight, (int, float)) or not aux_weight >= 0:
-            raise ValueError(f"model.aux_weight must be a number >= 0 (0: no auxiliary head), got {aux_weight!r}")
-        for name, value, low in (("aux_channels", aux_channels, 1), ("num_vis", num_vis, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"model.{name} must be a whole number >= {low}, got {value!r}")
+        check_number("aux_weight", aux_weight, low=0.0)
+        check_int("aux_channels", aux_channels)
+        check_int("num_vis", num_vis, low=0)
         for name, pair in (("slide_crop", slide_crop), ("slide_stride", slide_stride)):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2
                     and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in pair)):
