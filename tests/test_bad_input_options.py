@@ -171,6 +171,18 @@ def test_bad_option_value_gets_one_line_from_the_script(
     assert not (tmp_path / "run").exists()
 
 
+def _script_error(recipe: ModuleType, argv: list[str], run: Path, monkeypatch: pytest.MonkeyPatch,
+                  capsys: pytest.CaptureFixture[str]) -> list[str]:
+    """Run ``recipe`` as a command with ``argv``: it must exit with status 2 before the trainer made
+    ``run``; returns the lines it printed to stderr."""
+    monkeypatch.setattr(sys, "argv", [str(RECIPE), *argv])
+    with pytest.raises(SystemExit) as info:
+        recipe.run_script(recipe.main)
+    assert info.value.code == 2, argv
+    assert not run.exists()
+    return capsys.readouterr().err.strip().splitlines()
+
+
 def _resume_files(where: Path) -> dict[str, str]:
     """Files a fit cannot resume from -> the start of the one line the recipe prints for each."""
     import pickle
@@ -210,13 +222,8 @@ def test_a_ckpt_path_a_fit_cannot_resume_from_is_one_line_before_the_run(
     monkeypatch.chdir(tmp_path)
     cases = _resume_files(tmp_path)
     for name, expected in cases.items():
-        monkeypatch.setattr(sys, "argv", [str(RECIPE), "--ckpt_path", name, "--trainer.default_root_dir=run"])
-        with pytest.raises(SystemExit) as info:
-            recipe.run_script(recipe.main)
-        assert info.value.code == 2, name
-        err = capsys.readouterr().err.strip().splitlines()
+        err = _script_error(recipe, ["--ckpt_path", name, "--trainer.default_root_dir=run"], tmp_path / "run", monkeypatch, capsys)
         assert len(err) == 1 and err[0].startswith(expected), (name, err)
-        assert not (tmp_path / "run").exists()
     from vtdense.tasks.detection import DetectionTask
 
     check_resume_checkpoint("whole.ckpt", DetectionTask(backbone="swin_tiny", num_classes=3))
@@ -243,13 +250,9 @@ def test_backbone_weights_missing_or_cut_short_is_one_line_before_the_run(
         "timm/no_such_model": "error: --model.backbone_weights: Hub checkpoint 'timm/no_such_model': none of",
     }
     for name, expected in cases.items():
-        monkeypatch.setattr(sys, "argv", [str(RECIPE), "--model.backbone_weights", name, "--trainer.default_root_dir=run"])
-        with pytest.raises(SystemExit) as info:
-            recipe.run_script(recipe.main)
-        assert info.value.code == 2, name
-        err = capsys.readouterr().err.strip().splitlines()
+        err = _script_error(recipe, ["--model.backbone_weights", name, "--trainer.default_root_dir=run"], tmp_path / "run",
+                            monkeypatch, capsys)
         assert len(err) == 1 and err[0].startswith(expected), (name, err)
-        assert not (tmp_path / "run").exists()
     hub_cache("timm/tiny_swin", {"model.safetensors": model.state_dict()})
     check_backbone_weights("timm/tiny_swin")
     check_backbone_weights(tmp_path / "whole.safetensors")
@@ -321,13 +324,7 @@ def test_an_option_the_task_and_the_data_take_differently_is_one_line_before_the
                                     "module take this option alike; give both the same value"),
         ("--model.aux_channels=0", "error: aux_channels must be a positive int (option 'aux_channels'), got 0"),
     ):
-        monkeypatch.setattr(sys, "argv", ["ade20k_swinv2.py", *args, option])
-        with pytest.raises(SystemExit) as info:
-            recipe.run_script(recipe.main)
-        assert info.value.code == 2, option
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err == [expected], err
-        assert not (tmp_path / "run").exists()
+        assert _script_error(recipe, [*args, option], tmp_path / "run", monkeypatch, capsys) == [expected]
 
 
 def test_a_task_without_a_class_count_checks_its_network_on_the_meta_device() -> None:
