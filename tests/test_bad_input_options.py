@@ -14,6 +14,7 @@ from types import ModuleType
 from typing import Any, Callable
 
 import pytest
+import torch
 
 import vtdense
 from hub_cache import hub_cache  # noqa: F401  (fixture)
@@ -338,6 +339,11 @@ def test_a_task_without_a_class_count_checks_its_network_on_the_meta_device() ->
         SegmentationTask(backbone_kwargs={**tiny, "depths": [1, 1]})
     det = DetectionTask(backbone_kwargs=tiny)
     assert det.model is None and list(det.parameters()) == []
+    # nothing of the meta build lingers in the tables the backbones cache: a network built next is all on the CPU
+    real = SegmentationTask(num_classes=2, backbone_kwargs=tiny).eval()
+    assert {t.device.type for t in [*real.parameters(), *real.buffers()]} == {"cpu"}
+    with torch.no_grad():
+        assert real.model(torch.rand(1, 3, 64, 64)).shape == (1, 2, 16, 16)  # the decoder's stride 4
 
 
 def test_errors_during_the_run_keep_their_traceback(capsys: pytest.CaptureFixture[str]) -> None:
