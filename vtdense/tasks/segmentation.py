@@ -217,11 +217,11 @@ class SegmentationTask(BaseTask):
             raise ValueError(f"model.inference must be 'whole' or 'slide', got {inference!r}")
         if num_classes is not None and num_classes < 1:
             raise ValueError(f"model.num_classes must be >= 1, got {num_classes}")
+        check_number("aux_weight", aux_weight, low=0.0)
         if aux_weight > 0 and encoder_depth < 4:
             raise ValueError(f"model.aux_weight > 0 needs backbone stage 3, i.e. encoder_depth >= 4 (got {encoder_depth})")
         if layer_decay is not None and not 0.0 < layer_decay <= 1.0:
             raise ValueError(f"model.layer_decay must be in (0, 1], got {layer_decay}")
-        check_number("aux_weight", aux_weight, low=0.0)
         check_int("aux_channels", aux_channels)
         check_int("num_vis", num_vis, low=0)
         for name, pair in (("slide_crop", slide_crop), ("slide_stride", slide_stride)):
