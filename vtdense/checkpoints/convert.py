@@ -29,14 +29,17 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
 
 from vtdense.checkpoints.adapt import adapt_input_conv
-from vtdense.checkpoints.io import SAFETENSORS_CONFIG_KEY, CheckpointError, read_checkpoint, write_safetensors
+from vtdense.checkpoints.io import SAFETENSORS_CONFIG_KEY, CheckpointError, cut_short, read_checkpoint, write_safetensors
 from vtdense.checkpoints.report import LoadReport, active_report, note, note_derived, note_resized
+
+if TYPE_CHECKING:
+    from vtdense.checkpoints.hub import HubCheckpoint
 
 __all__ = [
     "CheckpointError",
@@ -533,6 +536,19 @@ def _source_windows_from_buffers(report: LoadReport, obj: object) -> None:
         report.source_window = (max(h for h, _ in in_use), max(w for _, w in in_use))
 
 
+def _resolve_source(spec: str | os.PathLike) -> HubCheckpoint:
+    """The :class:`~vtdense.checkpoints.hub.HubCheckpoint` a path or Hub id names; not found is a
+    :class:`CheckpointError` with the resolver's message."""
+    from vtdense.checkpoints.hub import HubError, resolve_checkpoint
+
+    try:
+        return resolve_checkpoint(spec)
+    except FileNotFoundError as e:
+        raise CheckpointError(str(e)) from None
+    except HubError as e:
+        raise CheckpointError(str(e)) from e
+
+
 def check_checkpoint_source(spec: str | os.PathLike) -> Path:
     """Find the file a path or Hub id names, and check that it is whole, without reading its
     tensors: what a run checks before it starts, so that a misspelt or cut-short
@@ -545,13 +561,7 @@ def check_checkpoint_source(spec: str | os.PathLike) -> Path:
     Raises:
         CheckpointError: the file or Hub id is not found, or the file is cut short (names it).
     """
-    from vtdense.checkpoints.hub import HubError, resolve_checkpoint
-    from vtdense.checkpoints.io import cut_short
-
-    try:
-        path = resolve_checkpoint(spec).path
-    except (FileNotFoundError, HubError) as e:
-        raise CheckpointError(str(e)) from None
+    path = _resolve_source(spec).path
     damage = cut_short(path)
     if damage is not None:
         raise CheckpointError(f"cannot read checkpoint {path}: {damage}")
@@ -563,15 +573,8 @@ def _read_source(state_dict_or_path: object, report: LoadReport) -> object:
     if not isinstance(state_dict_or_path, (str, os.PathLike)):
         _source_windows_from_buffers(report, state_dict_or_path)
         return state_dict_or_path
-    from vtdense.checkpoints.hub import HubError, resolve_checkpoint
-
-    try:
-        where = resolve_checkpoint(state_dict_or_path)
-    except FileNotFoundError as e:
-        raise CheckpointError(str(e)) from None
-    except HubError as e:
-        raise CheckpointError(str(e)) from e
-    file = read_checkpoint(where.path)
+    where = _resolve_source(state_dict_or_path)
+    file = read_checkpoint(where.path)  # (checks that the file is whole)
     report.container = file.container
     report.source_config = file.vtdense_config or where.config
     _source_windows(report, file.vtdense_config, where.config)
