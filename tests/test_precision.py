@@ -89,6 +89,36 @@ def test_bf16_autocast_box_decoding_runs_in_float32(head: str) -> None:
         assert set(dtypes) == {torch.float32}, name
 
 
+@pytest.mark.parametrize("head", ["mask_rcnn", "faster_rcnn", "retinanet", "fcos"])
+def test_float64_detector_trains_and_predicts_in_float64(head: str) -> None:
+    """``--trainer.precision 64`` turns the model and its inputs to float64: the anchors and the
+    heads' outputs follow (they stayed float32, and RoIAlign refused float32 boxes on float64 maps),
+    a training step gives a finite loss with float64 gradients, and the boxes come out float64."""
+    torch.manual_seed(0)
+    model = build_detector("swin_tiny", head, 3, fpn_channels=32, backbone_kwargs=TINY, slim_heads=True,
+                           score_thresh=0.0).double()
+    g = torch.Generator().manual_seed(0)
+    images = [torch.rand(3, 96, 128, generator=g, dtype=torch.float64), torch.rand(3, 80, 112, generator=g, dtype=torch.float64)]
+    targets = []
+    for h, w in ((96, 128), (80, 112)):
+        t = {"boxes": torch.tensor([[8.0, 10.0, 60.0, 70.0]], dtype=torch.float64), "labels": torch.tensor([1])}
+        if head == "mask_rcnn":
+            t["masks"] = torch.zeros(1, h, w, dtype=torch.uint8)
+            t["masks"][0, 10:70, 8:60] = 1
+        targets.append(t)
+    model.train()
+    losses = model(images, targets)
+    loss = sum(losses.values())
+    assert loss.dtype == torch.float64 and torch.isfinite(loss)
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(gr.dtype == torch.float64 for gr in grads)
+    model.eval()
+    with torch.no_grad():
+        out = model(images)
+    assert len(out[0]["boxes"]) > 0 and out[0]["boxes"].dtype == torch.float64 and out[0]["scores"].dtype == torch.float64
+
+
 @pytest.fixture(scope="module")
 def coco_small(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_synthetic_coco(tmp_path_factory.mktemp("prec") / "coco", num_train=8, num_val=2, size_range=(64, 80),

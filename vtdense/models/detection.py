@@ -272,8 +272,9 @@ def _drop_unemitted_out_norms(module: BackboneWithFPN, state_dict: dict[str, Any
 
 
 def _cast_float(obj: Any) -> Any:
+    """Half-precision tensors in ``obj`` cast to float32; float32 and float64 ones kept."""
     if isinstance(obj, Tensor):
-        return obj.float() if obj.is_floating_point() else obj
+        return obj.float() if obj.dtype in (torch.float16, torch.bfloat16) else obj
     if isinstance(obj, (list, tuple)):
         return type(obj)(_cast_float(o) for o in obj)
     if isinstance(obj, dict):
@@ -286,14 +287,14 @@ def _fp32_outputs_hook(module: nn.Module, args: Any, output: Any) -> Any:
 
 
 def _keep_fp32(*modules: nn.Module | None) -> None:
-    """Cast these modules' outputs to fp32 so box decoding / losses never run in bf16/fp16."""
+    """Cast these modules' half-precision outputs to fp32 so box decoding / losses never run in bf16/fp16."""
     for m in modules:
         if m is not None:
             m.register_forward_hook(_fp32_outputs_hook)
 
 
 class Float32AnchorGenerator(AnchorGenerator):
-    """torchvision's ``AnchorGenerator`` that always builds float32 anchors, places them at fixed
+    """torchvision's ``AnchorGenerator`` that builds float32 anchors (float64 for float64 maps), places them at fixed
     level strides, and keeps the anchors of its last few sizes.
 
     ``strides`` (one per level, as mmdet's and detectron2's anchor generators take them): the anchors
@@ -306,7 +307,8 @@ class Float32AnchorGenerator(AnchorGenerator):
 
     torchvision takes the anchors' dtype from the feature maps, so under bf16 autocast the anchors
     (and every box decoded from them) would be bfloat16: 8 bits of mantissa, a box edge near 800 px
-    off by up to 4 px. Only the maps' sizes and device are used, so empty float32 stand-ins replace them.
+    off by up to 4 px. Only the maps' sizes and device are used, so empty float32 stand-ins replace them;
+    float64 maps (``--trainer.precision 64``) get float64 anchors, as RoIAlign takes boxes of its maps' dtype.
 
     The anchors depend only on the padded batch size and the maps' sizes, and torchvision builds them
     again in every forward (about ten small kernels per pyramid level, plus one concatenation per
@@ -334,7 +336,7 @@ class Float32AnchorGenerator(AnchorGenerator):
         if len(maps) != len(self.strides):
             raise ValueError(f"{len(maps)} feature maps but {len(self.strides)} anchor strides")
         device = maps[0].device
-        self.set_cell_anchors(torch.float32, device)
+        self.set_cell_anchors(maps[0].dtype, device)
         per_level = []
         for m, stride, cell in zip(maps, self.strides, self.cell_anchors):
             h, w = m.shape[-2:]
@@ -349,16 +351,18 @@ class Float32AnchorGenerator(AnchorGenerator):
         return [anchors for _ in image_list.image_sizes]
 
     def forward(self, image_list: Any, feature_maps: list[Tensor]) -> list[Tensor]:
-        """Anchors per image, ``[sum_l(A * H_l * W_l), 4]`` float32 XYXY in input-image coordinates."""
+        """Anchors per image, ``[sum_l(A * H_l * W_l), 4]`` float32 XYXY in input-image coordinates
+        (float64 where the maps are)."""
         device = feature_maps[0].device
+        dtype = torch.float64 if feature_maps[0].dtype == torch.float64 else torch.float32
         key = (tuple(image_list.tensors.shape[-2:]), tuple(tuple(f.shape[-2:]) for f in feature_maps), device,
-               torch.is_inference_mode_enabled())
+               dtype, torch.is_inference_mode_enabled())
         cache: OrderedDict = self.__dict__.setdefault("_anchors", OrderedDict())
         cached = not fresh_tables(device)
         if cached and key in cache:
             cache.move_to_end(key)
             return [cache[key]] * len(image_list.image_sizes)
-        shapes = [f.new_empty((0, 0, *f.shape[-2:]), dtype=torch.float32) for f in feature_maps]
+        shapes = [f.new_empty((0, 0, *f.shape[-2:]), dtype=dtype) for f in feature_maps]
         anchors = self._build_anchors(image_list, shapes)
         if cached and anchors:
             cache[key] = anchors[0]
