@@ -89,19 +89,23 @@ def test_bf16_autocast_box_decoding_runs_in_float32(head: str) -> None:
         assert set(dtypes) == {torch.float32}, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("head", ["mask_rcnn", "faster_rcnn", "retinanet", "fcos"])
-def test_float64_detector_trains_and_predicts_in_float64(head: str) -> None:
-    """``--trainer.precision 64`` turns the model and its inputs to float64: the anchors and the
-    heads' outputs follow (they stayed float32, and RoIAlign refused float32 boxes on float64 maps),
-    a training step gives a finite loss with float64 gradients, and the boxes come out float64."""
+def test_detector_wholly_in_float64_or_bf16_trains_and_predicts(head: str, dtype: torch.dtype) -> None:
+    """``--trainer.precision 64`` / ``bf16-true`` turn the model and its inputs to one dtype, with no
+    autocast. Float64: the anchors and the heads' outputs follow (they stayed float32, and RoIAlign
+    refused float32 boxes on float64 maps). bf16: the boxes stay float32 (RoIAlign refused them on
+    bf16 maps; it now pools in float32, as under autocast). A training step gives a finite loss and
+    gradients of the model's dtype, and the boxes come out float64, or float32 for bf16."""
     torch.manual_seed(0)
     model = build_detector("swin_tiny", head, 3, fpn_channels=32, backbone_kwargs=TINY, slim_heads=True,
-                           score_thresh=0.0).double()
+                           score_thresh=0.0).to(dtype)
     g = torch.Generator().manual_seed(0)
-    images = [torch.rand(3, 96, 128, generator=g, dtype=torch.float64), torch.rand(3, 80, 112, generator=g, dtype=torch.float64)]
+    images = [torch.rand(3, 96, 128, generator=g).to(dtype), torch.rand(3, 80, 112, generator=g).to(dtype)]
+    box_dtype = torch.float64 if dtype == torch.float64 else torch.float32  # the task gives float32 boxes
     targets = []
     for h, w in ((96, 128), (80, 112)):
-        t = {"boxes": torch.tensor([[8.0, 10.0, 60.0, 70.0]], dtype=torch.float64), "labels": torch.tensor([1])}
+        t = {"boxes": torch.tensor([[8.0, 10.0, 60.0, 70.0]], dtype=box_dtype), "labels": torch.tensor([1])}
         if head == "mask_rcnn":
             t["masks"] = torch.zeros(1, h, w, dtype=torch.uint8)
             t["masks"][0, 10:70, 8:60] = 1
@@ -109,14 +113,14 @@ def test_float64_detector_trains_and_predicts_in_float64(head: str) -> None:
     model.train()
     losses = model(images, targets)
     loss = sum(losses.values())
-    assert loss.dtype == torch.float64 and torch.isfinite(loss)
+    assert torch.isfinite(loss) and loss.dtype == box_dtype
     loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    assert grads and all(gr.dtype == torch.float64 for gr in grads)
+    assert grads and all(gr.dtype == dtype for gr in grads)
     model.eval()
     with torch.no_grad():
         out = model(images)
-    assert len(out[0]["boxes"]) > 0 and out[0]["boxes"].dtype == torch.float64 and out[0]["scores"].dtype == torch.float64
+    assert len(out[0]["boxes"]) > 0 and out[0]["boxes"].dtype == box_dtype and out[0]["scores"].dtype == box_dtype
 
 
 @pytest.fixture(scope="module")

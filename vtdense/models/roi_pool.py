@@ -54,6 +54,13 @@ class LevelSortedRoIAlign(MultiScaleRoIAlign):
 
     def forward(self, x: dict[str, Tensor], boxes: list[Tensor], image_shapes: list[tuple[int, int]]) -> Tensor:
         maps = [v for k, v in x.items() if k in self.featmap_names]
+        if maps and boxes and maps[0].dtype != boxes[0].dtype and not torch.is_autocast_enabled(maps[0].device.type):
+            # A model wholly in half precision (``--trainer.precision bf16-true``) with float32 boxes:
+            # ``roi_align`` takes one dtype, so pool in the wider one, as its autocast kernel does,
+            # and return the maps' dtype.
+            wide = torch.promote_types(maps[0].dtype, boxes[0].dtype)
+            x = {k: v.to(wide) if k in self.featmap_names else v for k, v in x.items()}
+            return self.forward(x, [b.to(wide) for b in boxes], image_shapes).to(maps[0].dtype)
         if not self.aligned and (_setup_scales is None or tracing() or len(maps) < 2):
             return super().forward(x, boxes, image_shapes)
         if _setup_scales is None:  # pragma: no cover - depends on the installed torchvision
