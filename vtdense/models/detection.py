@@ -466,6 +466,8 @@ def _rcnn(
     reduce_host_waits(model)
     # the RPN's and the RoI box head's regression loss: L1 (beta 0) as mmdet and detectron2; torchvision 1/9
     model.rpn.box_loss_beta = model.roi_heads.box_loss_beta = float(opts["box_loss_beta"])
+    if opts["rpn_min_pos_iou"] is not None:  # mmdet's RPN assigner (torchvision's matcher otherwise)
+        model.rpn.proposal_matcher.min_low_quality = float(opts["rpn_min_pos_iou"])
     if masks:
         pad_mask_rois(model.roi_heads, opts["mask_rois_multiple"])
     return model
@@ -563,6 +565,7 @@ def build_detector(
     size_divisibility: int | None = None,
     mask_rois_multiple: int | None = 32,
     box_loss_beta: float = 0.0,
+    rpn_min_pos_iou: float | None = None,
     retinanet_loss_norm: str = "batch",
     roi_aligned: bool = True,
     binary_mask_targets: bool = True,
@@ -611,6 +614,12 @@ def build_detector(
             one per count (:mod:`vtdense.models.mask_rois`). Same losses and masks. ``None``: off.
         box_loss_beta: R-CNN heads: the smooth L1 beta of the RPN's and the RoI box head's
             regression losses; 0 (the default) is L1, as mmdet and detectron2; torchvision uses 1/9.
+        rpn_min_pos_iou: R-CNN heads: ``None`` (the default) matches anchors to gt boxes as
+            torchvision and detectron2 do: each gt's best anchors are positives whatever their IoU. A
+            number matches as mmdet's RPN assigner (``MaxIoUAssigner``, ``min_pos_iou``; 0.3 in the
+            mmdet configs behind the official Swin results): a gt's best anchors become positives
+            only where that IoU is at least this, so a gt smaller than every anchor gets none; and
+            an anchor that is the best of several gts is assigned the last of them, as mmdet does.
         retinanet_loss_norm: RetinaNet: ``"batch"`` (mmdet) divides the batch's summed focal and
             box losses by its number of foreground anchors (each image counting at least 1);
             ``"image"`` (torchvision) divides each image's by its own and averages over the images.
@@ -636,6 +645,9 @@ def build_detector(
         raise ValueError(f"retinanet_loss_norm={retinanet_loss_norm!r}: choose one of {', '.join(LOSS_NORMALIZATIONS)}")
     if isinstance(box_loss_beta, bool) or not isinstance(box_loss_beta, (int, float)) or not box_loss_beta >= 0:
         raise ValueError(f"box_loss_beta must be a number >= 0 (0: L1), got {box_loss_beta!r}")
+    check_number("rpn_min_pos_iou", rpn_min_pos_iou, low=0.0, high=1.0, optional=True)
+    if rpn_min_pos_iou is not None and head not in ("mask_rcnn", "faster_rcnn"):
+        raise ValueError(f"rpn_min_pos_iou applies to the R-CNN heads (mask_rcnn, faster_rcnn); head {head!r} has no RPN")
     for name, value in (("roi_aligned", roi_aligned), ("binary_mask_targets", binary_mask_targets)):
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
@@ -678,6 +690,7 @@ def build_detector(
         score_thresh=score_thresh,
         mask_rois_multiple=mask_rois_multiple,
         box_loss_beta=box_loss_beta,
+        rpn_min_pos_iou=rpn_min_pos_iou,
         retinanet_loss_norm=retinanet_loss_norm,
     )
     model = builder(neck, num_classes, opts, dict(head_kwargs or {}))

@@ -87,10 +87,22 @@ __all__ = [
 class WaitFreeMatcher(Matcher):
     """torchvision's :class:`~torchvision.models.detection._utils.Matcher` (same thresholds and
     labels) without a host wait. ``(M gt, N predictions)`` quality matrix -> ``(N,)`` int64 matches:
-    a gt index, ``BELOW_LOW_THRESHOLD`` (-1) or ``BETWEEN_THRESHOLDS`` (-2)."""
+    a gt index, ``BELOW_LOW_THRESHOLD`` (-1) or ``BETWEEN_THRESHOLDS`` (-2).
+
+    With low-quality matches allowed, each gt's best predictions (ties included) become matches
+    whatever their quality, as torchvision and detectron2 match. :attr:`min_low_quality` set (a
+    number) matches as mmdet's ``MaxIoUAssigner`` with ``match_low_quality=True``, ``min_pos_iou``
+    and ``gt_max_assign_all=True``: only gts whose best quality is at least that number get their
+    best predictions, and a prediction that is the best of several such gts goes to the last of
+    them in gt order (mmdet walks the gts in order), not to the gt it overlaps most.
+    """
+
+    #: mmdet's ``min_pos_iou`` for low-quality matches; ``None``: torchvision's rule (no minimum).
+    min_low_quality: float | None = None
 
     def __call__(self, match_quality_matrix: Tensor) -> Tensor:
-        if tracing() or match_quality_matrix.numel() == 0:  # torchvision's error messages for empty input
+        mmdet = self.min_low_quality is not None
+        if (tracing() and not mmdet) or match_quality_matrix.numel() == 0:  # torchvision's errors for empty input
             return super().__call__(match_quality_matrix)
         matched_vals, matches = match_quality_matrix.max(dim=0)
         all_matches = matches.clone() if self.allow_low_quality_matches else None
@@ -99,10 +111,15 @@ class WaitFreeMatcher(Matcher):
         matches.masked_fill_(below, self.BELOW_LOW_THRESHOLD)
         matches.masked_fill_(between, self.BETWEEN_THRESHOLDS)
         if all_matches is not None:
-            # Each gt's best predictions (ties included) keep their best gt, whatever its quality.
             best = match_quality_matrix.max(dim=1).values
-            update = (match_quality_matrix == best[:, None]).any(dim=0)
-            matches = torch.where(update, all_matches, matches)
+            is_best = match_quality_matrix == best[:, None]  # (M, N): prediction n is among gt m's best
+            if mmdet:
+                is_best &= (best >= self.min_low_quality)[:, None]
+                # the last gt in order of which the prediction is a best
+                last = is_best.shape[0] - 1 - is_best.flip(0).to(torch.int32).argmax(dim=0)
+                matches = torch.where(is_best.any(dim=0), last, matches)
+            else:
+                matches = torch.where(is_best.any(dim=0), all_matches, matches)
         return matches
 
 

@@ -197,6 +197,7 @@ class DetectionTask(BaseTask):
         triton_attention: bool | str = "auto",
         roi_aligned: bool = True,
         binary_mask_targets: bool = True,
+        rpn_min_pos_iou: float | None = None,
     ) -> None:
         """Initialise the task.
 
@@ -280,6 +281,9 @@ class DetectionTask(BaseTask):
                 as it was trained. See ``build_detector``.
             binary_mask_targets: Mask R-CNN: mask targets thresholded at 0.5, as mmdet and detectron2
                 (``false``: torchvision's soft targets); ``false`` for checkpoints saved before it.
+            rpn_min_pos_iou: R-CNN heads: ``null`` (default) matches anchors as torchvision and
+                detectron2; a number as mmdet's RPN assigner with that ``min_pos_iou`` (0.3 in the
+                published Swin configs). See ``build_detector``.
 
         Raises:
             ValueError: an unknown choice (the message names the option and lists the choices).
@@ -368,6 +372,7 @@ class DetectionTask(BaseTask):
             mask_rois_multiple=hp.get("mask_rois_multiple", 32),
             roi_aligned=hp.get("roi_aligned", True),
             binary_mask_targets=hp.get("binary_mask_targets", True),
+            rpn_min_pos_iou=hp.get("rpn_min_pos_iou"),
         )
 
     def configure_metrics(self) -> None:
