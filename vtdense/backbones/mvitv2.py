@@ -60,6 +60,7 @@ from vtdense.layers import chunked
 from vtdense.layers.chunked import chunking_applies, row_slices
 from vtdense.layers.tracing import exporting, tracing
 from vtdense.layers.depthwise_conv import depthwise_conv_nhwc
+from vtdense.layers.grad_layout import param_layout
 from vtdense.layers.opaque_conv import OpaqueConv2d, patch_conv
 from vtdense.layers.decomposed_attention import (
     compiled_decomposed_attention,
@@ -193,7 +194,8 @@ class MultiScaleAttention(nn.Module):
             z = pool(y.view(B, H, W, h, d).permute(0, 3, 4, 1, 2).reshape(B * h, d, H, W))
             return norm(z.view(B, h, d, *z.shape[2:]).permute(0, 3, 4, 1, 2).contiguous())
         weight, _ = autocast_params(pool.weight, None)  # inference under autocast: a kept cast copy
-        filters = weight if h == 1 else weight.repeat(h, 1, 1, 1)
+        # one head: the conv's own weight gradient, channels-last from oneDNN (param_layout: the weight's strides)
+        filters = param_layout(weight) if h == 1 else weight.repeat(h, 1, 1, 1)
         if torch.compiler.is_compiling() and not exporting():
             # compiled: the conv as one opaque op with its own backward (see depthwise_conv_nhwc); in
             # inference too, where a traced conv on an unbacked batch states a layout it does not return

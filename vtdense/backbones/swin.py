@@ -144,8 +144,10 @@ class WindowAttention(nn.Module):
         idx = relative_position_index(window, table_window, table.device)
         n = window[0] * window[1]
         # gathered head-major, so the bias and the terms built from it are contiguous (h, N, N) and the
-        # attention's reshapes of them are views, not copies
-        return table.t().index_select(1, idx.view(-1)).view(-1, n, n)
+        # attention's reshapes of them are views, not copies. One head: a view, not a transpose, so the
+        # table's gradient has the table's strides (DDP warns of a transposed (rows, 1) gradient).
+        heads_first = table.view(1, -1) if table.shape[1] == 1 else table.t()
+        return heads_first.index_select(1, idx.view(-1)).view(-1, n, n)
 
     def _bias_params(self) -> list[Tensor]:
         return list(self.cpb_mlp.parameters()) if self.cosine else [self.relative_position_bias_table]
