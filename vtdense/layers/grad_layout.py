@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vtdense.layers.tracing import tracing
+
 __all__ = ["param_layout"]
 
 
@@ -40,7 +42,8 @@ class _ParamLayout(torch.autograd.Function):
 
 def param_layout(weight: Tensor) -> Tensor:
     """``weight`` (any shape), whose gradient reaches it in ``weight``'s strides. Outside autograd
-    (no gradient wanted) ``weight`` itself."""
-    if not (weight.requires_grad and torch.is_grad_enabled()):
+    (no gradient wanted), under ``torch.func`` transforms and while ``torch.export`` or TorchScript
+    trace (:func:`~vtdense.layers.tracing.tracing`; ``torch.compile`` keeps it), ``weight`` itself."""
+    if not (weight.requires_grad and torch.is_grad_enabled()) or (tracing() and not torch.compiler.is_compiling()):
         return weight
     return _ParamLayout.apply(weight)
