@@ -42,8 +42,8 @@ class _ParamLayout(torch.autograd.Function):
 
 def param_layout(weight: Tensor) -> Tensor:
     """``weight`` (any shape), whose gradient reaches it in ``weight``'s strides. Outside autograd
-    (no gradient wanted), under ``torch.func`` transforms and while ``torch.export`` or TorchScript
-    trace (:func:`~vtdense.layers.tracing.tracing`; ``torch.compile`` keeps it), ``weight`` itself."""
-    if not (weight.requires_grad and torch.is_grad_enabled()) or (tracing() and not torch.compiler.is_compiling()):
+    (no gradient wanted), and while a graph is built or a ``torch.func`` transform runs
+    (:func:`~vtdense.layers.tracing.tracing`: compiled graphs stay as they were), ``weight`` itself."""
+    if not (weight.requires_grad and torch.is_grad_enabled()) or tracing():
         return weight
     return _ParamLayout.apply(weight)
