@@ -5,8 +5,11 @@ from vtdense.checkpoints.convert import CheckpointError, LoadReport, load_backbo
 
 __version__ = "0.1.0.dev0"
 
-# Registers every backbone as a segmentation-models-pytorch encoder "vtdense-<name>".
-import vtdense.models.segmentation  # noqa: E402,F401
+# Every backbone becomes a segmentation-models-pytorch encoder "vtdense-<name>": now if SMP is
+# imported, else when it is (vtdense._smp_hook), so that code without SMP does not import it.
+from vtdense._smp_hook import register_when_smp_imported  # noqa: E402
+
+register_when_smp_imported()
 
 __all__ = [
     "Backbone",

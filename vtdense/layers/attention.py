@@ -27,7 +27,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from vtdense.layers.chunked import functorch_transform, tracing, window_slices
 from vtdense.layers.scoped import scoped_setting
@@ -331,7 +330,9 @@ def attention(
     k4 = k.reshape(-1, h_all, nk, k.shape[-1])
     v4 = v.reshape(-1, h_all, nk, v.shape[-1])
     if backend == "sdpa":
-        if term is not None and torch.compiler.is_compiling() and statically_known_true(term.shape[0] == 1):
+        # (symbolic_shapes, imported by torch.compile, is read here and not imported with vtdense: sympy takes 0.5 s)
+        if (term is not None and torch.compiler.is_compiling()
+                and torch.fx.experimental.symbolic_shapes.statically_known_true(term.shape[0] == 1)):
             # A term shared by the batch, expanded to it (a view): compiled graphs trace the batch as
             # an unbacked size, and SDPA's own decomposition (traced again for a block region reused
             # by a later block, e.g. under autocast) asks whether that size is 1 to broadcast a term

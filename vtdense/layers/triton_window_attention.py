@@ -440,7 +440,15 @@ def window_attention(qkv: Tensor, bias: Tensor, mask: Tensor | None, scale: floa
 _probed: dict[tuple[str, int], bool] = {}
 
 
-@torch.compiler.assume_constant_result
+def _assume_constant_result(fn: Any) -> Any:
+    """``torch.compiler.assume_constant_result`` without importing Dynamo (about a second) when
+    vtdense is imported: that decorator only sets this attribute, which Dynamo reads when it traces
+    a call (``tests/test_import_time.py`` checks that it still does)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_assume_constant_result
 def _usable_in_graphs(device_type: str, index: int) -> bool:
     """Whether graphs for ``device_type`` (``index``: -1 for the current one) may call the kernels:
     a CUDA GPU whose Triton runs them (or Triton's CPU interpreter), shown by one small forward and
