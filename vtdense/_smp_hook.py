@@ -4,8 +4,8 @@
 (:mod:`vtdense.models.segmentation`). Importing SMP takes about a second (it imports timm and
 torchvision's models), which a detection run or a backbone used on its own does not need. So
 ``import vtdense`` registers the encoders at once only where SMP is already imported; otherwise it
-leaves a one-time finder on ``sys.meta_path`` that, once SMP's own module has run, imports
-:mod:`vtdense.models.segmentation` (which registers them). Either way SMP's encoder table holds
+leaves a one-time finder on ``sys.meta_path`` that, once SMP's own module has run, registers them
+(:func:`vtdense.models.segmentation.register_smp_encoders`). Either way SMP's encoder table holds
 the ``vtdense-*`` names before any SMP model can be built.
 """
 
@@ -32,7 +32,7 @@ def _register() -> None:
 
 
 class _RegisteringLoader(importlib.abc.Loader):
-    """SMP's own loader, which imports :mod:`vtdense.models.segmentation` after SMP's module ran."""
+    """SMP's own loader, which registers the encoders after SMP's module ran."""
 
     def __init__(self, loader: Any) -> None:
         self._loader = loader

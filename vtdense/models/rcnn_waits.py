@@ -481,8 +481,8 @@ def reduce_host_waits(model: nn.Module) -> nn.Module:
 def restore_torchvision_heads(model: nn.Module) -> nn.Module:
     """Undoes :func:`reduce_host_waits`: torchvision's own classes, for comparison or debugging. They
     know none of vtdense's options: their box losses are smooth L1 with beta 1/9, their RoIAlign and
-    mask targets torchvision's (``build_detector(box_loss_beta=1/9, roi_aligned=False,
-    binary_mask_targets=False)`` computes the same)."""
+    mask targets torchvision's, their RPN matches anchors as torchvision's (``build_detector(box_loss_beta=1/9,
+    roi_aligned=False, binary_mask_targets=False, rpn_min_pos_iou=None)`` computes the same)."""
     for obj in _objects(model):
         for base, ours in _SWAPS:
             if type(obj) is ours:
