@@ -33,19 +33,6 @@ if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
 
-#: Test modules with tests of 20 s or more (multi-process runs, compiles), run first: pytest-xdist hands
-#: tests out in collection order, so with these at the end one worker could still be in a 70 s test
-#: while the other had finished. Their order here is longest first.
-HEAVY_FIRST = ["test_distributed", "test_compile_batch", "test_resume", "test_compile_cells", "test_compile",
-               "test_compile_regions", "test_triton_window_attention", "test_checkpoints_smp"]
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The :data:`HEAVY_FIRST` modules' tests first, in that order; every module keeps its own order."""
-    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(getattr(getattr(item, "module", None), "__name__", "").rsplit(".", 1)[-1], len(rank)))
-
-
 #: Options of the session-wide tiny COCO dataset (3 classes: category ids 1, 3, 7).
 TINY_COCO_OPTIONS: dict[str, Any] = {
     "num_train": 12,
