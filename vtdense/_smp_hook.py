@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 from types import ModuleType
 from typing import Any, Sequence
@@ -52,14 +53,14 @@ class _RegisteringLoader(importlib.abc.Loader):
 
 
 class _SmpFinder(importlib.abc.MetaPathFinder):
-    """Finds SMP as the path finder does, once, and hands it :class:`_RegisteringLoader`."""
+    """Finds SMP as the other finders do, once, and hands it :class:`_RegisteringLoader`."""
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
         if fullname != SMP:
             return None
         _remove_finder()
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        spec = importlib.util.find_spec(fullname)  # the other finders' answer (an editable install's too)
         if spec is not None and spec.loader is not None:
             spec.loader = _RegisteringLoader(spec.loader)
         return spec
