@@ -115,9 +115,10 @@ class WaitFreeMatcher(Matcher):
             is_best = match_quality_matrix == best[:, None]  # (M, N): prediction n is among gt m's best
             if mmdet:
                 is_best &= (best >= self.min_low_quality)[:, None]
-                # the last gt in order of which the prediction is a best
-                last = is_best.shape[0] - 1 - is_best.flip(0).to(torch.int32).argmax(dim=0)
-                matches = torch.where(is_best.any(dim=0), last, matches)
+                # the last gt in order of which the prediction is a best; -1 where it is none's
+                gt = torch.arange(1, is_best.shape[0] + 1, dtype=torch.int32, device=is_best.device)
+                last = (is_best * gt[:, None]).amax(dim=0) - 1
+                matches = torch.where(last >= 0, last, matches)
             else:
                 matches = torch.where(is_best.any(dim=0), all_matches, matches)
         return matches
