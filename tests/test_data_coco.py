@@ -401,6 +401,28 @@ def test_explicit_missing_root_is_an_error(tmp_path: Path) -> None:
         COCODataModule(root=str(tmp_path / "half"))
 
 
+def test_for_evaluation_needs_only_the_validation_split(coco_root: Path, tmp_path: Path) -> None:
+    """``for_evaluation`` (the recipes' ``validate``): a root without the training split, or the
+    validation files alone without a root; the plain constructor still wants every split."""
+    root = tmp_path / "val_only"
+    (root / "annotations").mkdir(parents=True)
+    shutil.copy(coco_root / "annotations" / "instances_val2017.json", root / "annotations")
+    shutil.copytree(coco_root / "val2017", root / "val2017")
+    with pytest.raises(FileNotFoundError, match="instances_train2017.json"):
+        COCODataModule(root=str(root))
+    val = (str(root / "annotations" / "instances_val2017.json"), str(root / "val2017"))
+    with pytest.raises(ValueError, match=r"missing: \['train_ann', 'train_images'\]"):
+        COCODataModule(val_ann=val[0], val_images=val[1])
+    for dm in (COCODataModule.for_evaluation(root=str(root), **SMALL_SIZES),
+               COCODataModule.for_evaluation(val_ann=val[0], val_images=val[1], **SMALL_SIZES)):
+        dm.setup("validate")
+        assert dm.num_classes == 3 and len(dm.val_dataset) == 6
+        images, targets = next(iter(dm.val_dataloader()))
+        assert images[0].ndim == 3 and "image_id" in targets[0]
+    with pytest.raises(FileNotFoundError, match="val2017"):  # what evaluation reads must still be there
+        COCODataModule.for_evaluation(val_ann=val[0], val_images=str(tmp_path / "val2017"))
+
+
 def test_default_root_falls_back_to_synthetic(coco_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                               caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.chdir(tmp_path)  # no ./data/coco here

@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import difflib
 import inspect
-import json
 import math
 import os
 import pathlib
@@ -32,7 +31,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from vtdense.allocator import enabled_by_environment, keep_freed_memory
-from vtdense.tasks.base import atomic_write_bytes, resolve_run_dir
+from vtdense.cli_validate import VALIDATE_WORD, run_validate, write_metrics_json
+from vtdense.tasks.base import resolve_run_dir
 
 __all__ = [
     "VtdenseCLI",
@@ -47,6 +47,7 @@ __all__ = [
     "run_dir",
     "run_predict",
     "run_recipe",
+    "run_validate",
     "run_script",
 ]
 
@@ -381,11 +382,14 @@ def run_recipe(
     Raises:
         FileNotFoundError: ``default_config`` does not exist.
 
-    A first argument ``predict`` runs :func:`run_predict` instead (``... predict --help``).
+    A first argument ``predict`` runs :func:`run_predict` instead (``... predict --help``), and
+    ``validate`` :func:`vtdense.cli_validate.run_validate` (a checkpoint scored on a dataset).
     """
-    argv_predict = sys.argv[1:] if args is None else list(args)
-    if argv_predict and argv_predict[0] == PREDICT_WORD:  # the predict subcommand (see run_predict)
-        return run_predict(task_cls, argv_predict[1:], prog=f"{Path(sys.argv[0]).name} {PREDICT_WORD}")
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == PREDICT_WORD:  # the predict subcommand (see run_predict)
+        return run_predict(task_cls, argv[1:], prog=f"{Path(sys.argv[0]).name} {PREDICT_WORD}")
+    if argv and argv[0] == VALIDATE_WORD:  # the validate subcommand (see vtdense.cli_validate)
+        return run_validate(task_cls, datamodule_cls, argv[1:], prog=f"{Path(sys.argv[0]).name} {VALIDATE_WORD}")
     with before_run():  # parsing and building the task, the datamodule and the trainer
         cli = _build_cli(task_cls, datamodule_cls, default_config, args, demo_config)
     trainer, model, datamodule = cli.trainer, cli.model, cli.datamodule
@@ -419,17 +423,7 @@ def run_recipe(
 
     out_dir = resolve_run_dir(trainer)  # a collective under DDP: every rank, before the rank-0 branch
     if trainer.is_global_zero:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / "metrics.json"
-        payload: dict[str, Any] = {}
-        if path.is_file():  # keep what the task wrote there (e.g. per-class IoU)
-            try:
-                payload = json.loads(path.read_text())
-            except ValueError:
-                payload = {}
-        # strict JSON: NaN (a class absent from the validation set) is written as null
-        payload.update({"checkpoint": ckpt_path, "metrics": {k: None if math.isnan(v) else v for k, v in metrics.items()}})
-        atomic_write_bytes(path, (json.dumps(payload, indent=2, allow_nan=False) + "\n").encode("utf-8"))
+        write_metrics_json(out_dir, metrics, checkpoint=ckpt_path)
         print(format_metrics_table(metrics, title=f"final metrics ({ckpt_path or 'last weights'})"))
         print(describe_run_dir(out_dir))
     return metrics

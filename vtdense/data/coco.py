@@ -28,6 +28,7 @@ warning (:class:`vtdense.data.errors.SkipOnBadSample`).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
 import json
 import logging
@@ -517,6 +518,9 @@ def collate_detection(batch: Sequence[tuple[Tensor, dict[str, Any]]]) -> tuple[l
 #: Training augmentation choices of :class:`COCODataModule`.
 _TRAIN_AUGMENTS: tuple[str, ...] = ("multiscale", "multiscale_crop", "lsj")
 
+#: True while :meth:`COCODataModule.for_evaluation` builds a datamodule (read by its ``__init__``).
+_EVALUATION_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("vtdense_coco_evaluation_only", default=False)
+
 _SPLIT_FILES: dict[str, tuple[str, str]] = {
     "train": ("annotations/instances_train2017.json", "train2017"),
     "val": ("annotations/instances_val2017.json", "val2017"),
@@ -650,6 +654,7 @@ class COCODataModule(L.LightningDataModule):
         self.synthetic_if_missing = synthetic_if_missing
         self.cache_dir = cache_dir
         self._paths: dict[str, tuple[Path, Path]] | None = None
+        self._evaluation_only = _EVALUATION_ONLY.get()  # the training split need not exist
         self._categories: list[dict[str, Any]] | None = None
         self._categories_source: Path | None = None
         self.train_dataset: COCODetection | None = None
@@ -660,6 +665,17 @@ class COCODataModule(L.LightningDataModule):
         detection_eval_transforms(test_scale, max_size)
         if root is not None or any(v is not None for v in self.explicit.values()):
             self._resolve_paths()
+
+    @classmethod
+    def for_evaluation(cls, **kwargs: Any) -> "COCODataModule":
+        """A datamodule for ``validate`` / ``test`` only: the training annotation file and image
+        folder need not exist (a machine that holds only ``val2017``), and without ``root`` only
+        ``val_ann`` and ``val_images`` are needed. Takes the constructor's arguments."""
+        token = _EVALUATION_ONLY.set(True)
+        try:
+            return cls(**kwargs)
+        finally:
+            _EVALUATION_ONLY.reset(token)
 
     # ----------------------------------------------------------------------------- paths
     @staticmethod
@@ -689,12 +705,12 @@ class COCODataModule(L.LightningDataModule):
                 img = Path(given.get(f"{split}_images", root / img_rel))
                 paths[split] = (ann, img)
         elif given:
-            absent = [k for k, v in self.explicit.items() if v is None]
+            needed = ["val_ann", "val_images"] if self._evaluation_only else list(self.explicit)
+            absent = [k for k in needed if self.explicit[k] is None]
             if absent:
-                raise ValueError(
-                    f"without root, give all of train_ann, train_images, val_ann, val_images; missing: {absent}"
-                )
-            paths = {s: (Path(given[f"{s}_ann"]), Path(given[f"{s}_images"])) for s in _SPLIT_FILES}
+                raise ValueError(f"without root, give all of {', '.join(needed)}; missing: {absent}")
+            paths = {s: (Path(given[f"{s}_ann"]), Path(given[f"{s}_images"]))
+                     for s in _SPLIT_FILES if f"{s}_ann" in given and f"{s}_images" in given}
         else:
             default = self.default_root()
             paths = {s: (default / a, default / i) for s, (a, i) in _SPLIT_FILES.items()}
@@ -710,6 +726,8 @@ class COCODataModule(L.LightningDataModule):
         if self.test_paths is not None:
             paths["test"] = (Path(self.test_paths[0]), Path(self.test_paths[1]))
         for split, (ann, img) in paths.items():
+            if split == "train" and self._evaluation_only:
+                continue
             if not ann.is_file():
                 raise FileNotFoundError(f"COCO {split} annotation file not found: {ann}")
             if not img.is_dir():

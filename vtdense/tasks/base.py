@@ -370,6 +370,18 @@ class BaseTask(LightningModule):
                 "resume, or load only the backbone with model.backbone_weights"
             )
 
+    def check_data_fits(self, datamodule: Any, source: str | None = None) -> None:
+        """Raise one ``ValueError`` naming ``source`` (the checkpoint) when a trained task is
+        evaluated on data it cannot score: another class count here; the tasks add their class
+        lists. Called before a run starts, on every rank (it reads files, no collective)."""
+        mine, theirs = self.hparams.get("num_classes"), getattr(datamodule, "num_classes", None)
+        if mine is not None and theirs is not None and int(mine) != int(theirs):
+            where = f"checkpoint {source}" if source else "the model"
+            raise ValueError(
+                f"{where} was trained with num_classes={int(mine)} but the data ({type(datamodule).__name__}) has "
+                f"{int(theirs)} classes: evaluate on data with the classes it was trained on"
+            )
+
     def check_state_dict_fits(self, checkpoint: dict[str, Any], source: str | None = None, options: Iterable[str] | None = None) -> None:
         """Raise one ``ValueError`` naming the file when a tensor of the checkpoint's state dict and
         this task's differ in shape: an option that sets a shape was given another value than the

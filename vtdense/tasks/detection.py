@@ -423,6 +423,25 @@ class DetectionTask(BaseTask):
             load_pretrained(self._detector.backbone.body, weights)
             self._backbone_loaded = True
 
+    def check_data_fits(self, datamodule: Any, source: str | None = None) -> None:
+        """Also refuse data whose COCO category ids or names are not the checkpoint's: the labels
+        the model predicts would be scored as other categories."""
+        super().check_data_fits(datamodule, source)
+        if not self.label_to_category_id or not hasattr(datamodule, "label_to_category_id"):
+            return
+        ids = _as_label_map(datamodule.label_to_category_id)
+        names = _as_name_map(getattr(datamodule, "category_names", None), ids)
+        where = f"checkpoint {source}" if source else "the model"
+        mine = [(self.label_to_category_id[k], self.category_names.get(k)) for k in sorted(self.label_to_category_id)]
+        theirs = [(ids[k], names.get(k)) for k in sorted(ids)]
+        if [c for c, _ in mine] != [c for c, _ in theirs] or any(
+            a is not None and b is not None and a != b for (_, a), (_, b) in zip(mine, theirs)
+        ):
+            raise ValueError(
+                f"{where} was trained on the categories (id, name) {mine} but the data has {theirs}: "
+                "evaluate on data with the category list it was trained on"
+            )
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Store the category tables so predictions from a checkpoint carry COCO ids."""
         super().on_save_checkpoint(checkpoint)

@@ -133,9 +133,9 @@ def checkpoint_run_dir(ckpt_path: str | os.PathLike[str]) -> Path:
     return parent.parent if parent.name == "checkpoints" else parent
 
 
-def default_output_dir(ckpt_path: str | os.PathLike[str]) -> Path:
-    """A new ``predict_<YYYYmmdd-HHMMSS>`` folder in the checkpoint's run directory (``_2``, ... if taken)."""
-    base = checkpoint_run_dir(ckpt_path) / time.strftime("predict_%Y%m%d-%H%M%S")
+def default_output_dir(ckpt_path: str | os.PathLike[str], prefix: str = "predict") -> Path:
+    """A new ``<prefix>_<YYYYmmdd-HHMMSS>`` folder in the checkpoint's run directory (``_2``, ... if taken)."""
+    base = checkpoint_run_dir(ckpt_path) / time.strftime(f"{prefix}_%Y%m%d-%H%M%S")
     out, n = base, 1
     while out.exists():
         n += 1

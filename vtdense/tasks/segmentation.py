@@ -529,6 +529,22 @@ class SegmentationTask(BaseTask):
         saved = getattr(self, "_palette", None)
         return saved if saved is not None else color_palette(int(self.hparams.num_classes))
 
+    def check_data_fits(self, datamodule: Any, source: str | None = None) -> None:
+        """Also refuse data whose class names (``classes.txt``) differ from the checkpoint's; data
+        without names of its own (``class_<i>``) is taken by its class count alone."""
+        super().check_data_fits(datamodule, source)
+        mine, theirs = self._class_names, getattr(datamodule, "class_names", None)
+        if mine is None or theirs is None or len(mine) != len(theirs):
+            return
+        generic = [f"class_{i}" for i in range(len(theirs))]
+        if list(theirs) != generic and list(mine) != generic and list(mine) != list(theirs):
+            where = f"checkpoint {source}" if source else "the model"
+            differ = [f"{i}: {a!r} / {b!r}" for i, (a, b) in enumerate(zip(mine, theirs)) if a != b]
+            raise ValueError(
+                f"{where} names its classes differently from the data (index: checkpoint / data): "
+                f"{', '.join(differ[:5])}{', ...' if len(differ) > 5 else ''}"
+            )
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Store the class names and the palette, so a checkpoint names its classes without the dataset."""
         super().on_save_checkpoint(checkpoint)
