@@ -71,7 +71,10 @@ def _assert_windows_are_constants(name: str, graphs: list[torch.fx.GraphModule])
         assert {tuple(args[2:4]) for args in ops} == {(4, 4)}
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+# MViTv2 with global attention only is left out: the hybrid model attends globally from stage 2 with
+# the same resampled tables (a 16-20 s trace each on 2 CPU cores); whole in an SMP model it compiles to
+# one graph with eager's logits in tests/test_checkpoints_smp.py.
+@pytest.mark.parametrize("name", [n for n in FAMILIES if n != "mvitv2_tiny"])
 def test_dynamic_compile_does_not_recompile_at_new_sizes(name: str) -> None:
     """Through AOT autograd (``aot_eager``): its trace records every view's contiguity, a guard of its
     own. MViTv2's windowed attention cropped its padded output by a view, whose contiguity is whether

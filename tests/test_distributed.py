@@ -100,7 +100,7 @@ def _numbers(metrics: dict) -> dict[str, float]:
 def test_detection_metrics_two_processes_equal_one(coco5: Path, tmp_path: Path) -> None:
     weights = tmp_path / "trained.pt"
     one = _run(tmp_path, "detection", coco5, 1, "--fit_steps", "40", "--save_weights", str(weights))
-    two = _run(tmp_path, "detection", coco5, 2, "--load_weights", str(weights))
+    two = _run(tmp_path, "detection", coco5, 2, "--load_weights", str(weights), "--then_fsdp")
     assert two["world"] == 2 and one["checksum"] == two["checksum"]
     m1, m2 = _numbers(one["metrics"]), _numbers(two["metrics"])
     assert set(m1) == set(m2) and "val/segm_mAP" in m1
@@ -124,9 +124,9 @@ def test_detection_metrics_two_processes_equal_one(coco5: Path, tmp_path: Path) 
     assert ev.stats[0] == pytest.approx(m2["val/bbox_mAP"], abs=1e-6)
     pngs = sorted(p.name for p in (Path(two["run_dir"]) / "predictions").glob("*.png"))
     assert len(pngs) == 3
-    # the same weights sharded by FSDP2 over the 2 processes give the same metrics
-    fsdp = _run(tmp_path, "detection", coco5, 2, "--load_weights", str(weights), "--strategy", "fsdp")
-    assert fsdp["checksum"] == one["checksum"]
+    # the same weights sharded by FSDP2 over the 2 processes (the same launch) give the same metrics
+    fsdp = two["fsdp"]
+    assert fsdp["sharded"] and fsdp["dp_size"] == 2 and fsdp["checksum"] == one["checksum"]
     for key, value in _numbers(fsdp["metrics"]).items():
         assert value == pytest.approx(m1[key], abs=1e-6), key
 
@@ -134,18 +134,19 @@ def test_detection_metrics_two_processes_equal_one(coco5: Path, tmp_path: Path) 
 def test_compile_backbone_under_ddp_and_fsdp_trains_like_eager(coco5: Path, tmp_path: Path) -> None:
     """``compile_backbone`` (Dynamo capture, "eager" backend) in 2 gloo processes: the backbone + FPN
     go through Dynamo under DDP and under FSDP2 (sharded first, then compiled), and 3 optimiser
-    steps give the weights eager DDP gives, fitted first in the DDP run's own processes
-    (``--compare_eager``: a second trainer in one launch, as a script that fits twice does).
-    (No validation run after: an eval-mode graph would be a second trace in each process, and what
-    is compared is the trained weights.)"""
-    eager = None
-    for strategy in ("ddp", "fsdp"):
-        extra = ["--compare_eager"] if strategy == "ddp" else []
-        compiled = _run(tmp_path, "detection", coco5, 2, "--fit_steps", "3", "--strategy", strategy,
-                        "--compile_backbone", "eager", "--no_validate", *extra)
-        assert compiled["compiled"] == "eager" and compiled["graphs"] > 0, strategy
-        eager = compiled["eager_checksum"] if strategy == "ddp" else eager
-        assert eager is not None and compiled["checksum"] == pytest.approx(eager, abs=1e-6), strategy
+    steps give the weights eager DDP gives. One launch fits three times in the same processes, as a
+    script that fits several times does: eager DDP (``--compare_eager``), compiled DDP, then compiled
+    FSDP2 (``--then_fsdp``). (No validation run after: an eval-mode graph would be a second trace in
+    each process, and what is compared is the trained weights.)"""
+    run = _run(tmp_path, "detection", coco5, 2, "--fit_steps", "3", "--strategy", "ddp", "--compile_backbone", "eager",
+               "--no_validate", "--compare_eager", "--then_fsdp")
+    fsdp = run["fsdp"]
+    assert run["compiled"] == "eager" and run["graphs"] > 0 and not run["sharded"]
+    assert fsdp["compiled"] == "eager" and fsdp["graphs"] > 0  # the FSDP2 model traced graphs of its own
+    assert fsdp["sharded"] and fsdp["dp_size"] == 2  # its backbone's parameters are DTensor shards
+    assert run["eager_checksum"] is not None
+    assert run["checksum"] == pytest.approx(run["eager_checksum"], abs=1e-6)
+    assert fsdp["checksum"] == pytest.approx(run["eager_checksum"], abs=1e-6)
 
 
 def test_segmentation_metrics_two_processes_equal_one(ade5: Path, tmp_path: Path) -> None:
@@ -270,8 +271,9 @@ def test_fsdp_strategy_shards_every_transformer_block(tmp_path: Path) -> None:
 def test_fsdp_training_and_metrics_equal_ddp(ade5: Path, tmp_path: Path) -> None:
     """2 processes, FSDP2 against DDP: the same trained weights and the same metrics (segmentation,
     3 optimiser steps, with BatchNorm in the decoder; the runs the two-node test compares with)."""
-    ddp = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", "ddp")
-    fsdp = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", "fsdp")
+    ddp = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", "ddp", "--then_fsdp")
+    fsdp = ddp["fsdp"]  # the same run under FSDP2, in the same launch
+    assert ddp["dp_size"] is None and fsdp["dp_size"] == 2 and fsdp["sharded"]
     # Relative 1e-6 of a checksum near 1600: the two strategies round differently (sharded against whole
     # tensors in the optimiser), and steps with BatchNorm amplify that by seed; on one code, 6 steps with
     # weight seeds 0 to 3 gave differences of 1.6e-10, 2.3e-10, 7.9e-4 and 0.
@@ -285,8 +287,8 @@ def test_fsdp_training_and_metrics_equal_ddp(ade5: Path, tmp_path: Path) -> None
 def test_fp16_training_under_ddp_and_fsdp(ade5: Path, tmp_path: Path) -> None:
     """``16-mixed`` on 2 processes with real fp16 autocast: DDP with Lightning's grad scaler and FSDP
     with the sharded one train to the same weights."""
-    ddp = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--precision", "16-mixed")
-    fsdp = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--precision", "16-mixed", "--strategy", "fsdp")
+    ddp = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--precision", "16-mixed", "--then_fsdp")
+    fsdp = ddp["fsdp"]  # the same run under FSDP2, in the same launch
     assert ddp["scaler"] == "GradScaler" and fsdp["scaler"] == "ShardedGradScaler"
     assert fsdp["checksum"] == pytest.approx(ddp["checksum"], abs=1e-4)
     # both skipped the same overflow steps, and not all 3 (that would leave 65536 / 8)
@@ -305,7 +307,7 @@ def test_two_nodes_of_one_process_train_like_one_node_of_two(strategy: str, ade5
     weights one node with 2 processes gives."""
     import socket
 
-    one_node = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", strategy)
+    one_node = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", "ddp", "--then_fsdp")["fsdp"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

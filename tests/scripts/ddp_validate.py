@@ -86,6 +86,8 @@ def main() -> None:
     p.add_argument("--compile_backbone", default=None, help="detection: DetectionTask's compile_backbone backend")
     p.add_argument("--compare_eager", action="store_true",
                    help="with --compile_backbone: first fit the same task uncompiled (reported as eager_checksum)")
+    p.add_argument("--then_fsdp", action="store_true",
+                   help="then do the same run under FSDP2 in these processes (reported under 'fsdp')")
     p.add_argument("--root_dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -94,9 +96,9 @@ def main() -> None:
     atexit.register(_record_exit, a.out)
     world = a.devices * a.num_nodes
 
-    def make_trainer(root_dir: str) -> L.Trainer:
-        options = dict(accelerator="cpu", strategy=a.strategy if world > 1 else "auto", precision=a.precision)
-        if a.strategy == "fsdp":
+    def make_trainer(root_dir: str, strategy: str = a.strategy) -> L.Trainer:
+        options = dict(accelerator="cpu", strategy=strategy if world > 1 else "auto", precision=a.precision)
+        if strategy == "fsdp":
             from vtdense.strategies import trainer_options
 
             options = trainer_options(options)
@@ -112,6 +114,35 @@ def main() -> None:
             limit_val_batches=0 if a.fit_steps else None,
         )
 
+    from torch._dynamo.utils import counters
+
+    from vtdense.models.compile import is_compiled
+
+    def run(strategy: str, root_dir: str) -> dict:
+        """Build, (load,) fit and validate the task under ``strategy``; what it reports (collectives: every rank)."""
+        before = counters["stats"]["unique_graphs"]
+        model, dm = build(a.task, a.data, a.compile_backbone or False)
+        trainer = make_trainer(root_dir, strategy)
+        if not _RANK:
+            _RANK.append(trainer.global_rank)
+        if a.load_weights:
+            model.load_state_dict(torch.load(a.load_weights, weights_only=True))
+        if a.fit_steps:
+            trainer.fit(model, datamodule=dm)
+            trainer.limit_val_batches = 1.0
+            if a.save_weights and trainer.is_global_zero:
+                torch.save(model.state_dict(), a.save_weights)
+        results = [{}] if a.no_validate else trainer.validate(model, datamodule=dm, verbose=False)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        return {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": _checksum(model),
+                "world": trainer.world_size, "compiled": is_compiled(model.model),
+                "graphs": counters["stats"]["unique_graphs"] - before,
+                "sharded": all(hasattr(p, "full_tensor") for p in model.model.parameters()),
+                "scaler": type(scaler).__name__ if scaler is not None else None,
+                "scale": float(scaler.get_scale()) if scaler is not None else None,
+                "dp_size": trainer.strategy.device_mesh["data_parallel"].size() if strategy == "fsdp" and world > 1 else None,
+                "global_zero": trainer.is_global_zero}
+
     eager_checksum = None
     if a.compare_eager:
         # the same fit without compile first, in these processes (the first fit starts the other ranks;
@@ -119,32 +150,12 @@ def main() -> None:
         eager, dm = build(a.task, a.data)
         make_trainer(str(Path(a.root_dir) / "eager")).fit(eager, datamodule=dm)
         eager_checksum = _checksum(eager)
-    model, dm = build(a.task, a.data, a.compile_backbone or False)
-    trainer = make_trainer(a.root_dir)
-    _RANK.append(trainer.global_rank)
-    if a.load_weights:
-        model.load_state_dict(torch.load(a.load_weights, weights_only=True))
-    if a.fit_steps:
-        trainer.fit(model, datamodule=dm)
-        trainer.limit_val_batches = 1.0
-        if a.save_weights and trainer.is_global_zero:
-            torch.save(model.state_dict(), a.save_weights)
-    results = [{}] if a.no_validate else trainer.validate(model, datamodule=dm, verbose=False)
-    checksum = _checksum(model)
-    if trainer.is_global_zero:
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        from torch._dynamo.utils import counters
-
-        from vtdense.models.compile import is_compiled
-
-        payload = {"metrics": results[0], "run_dir": str(model.run_dir), "checksum": checksum,
-                   "eager_checksum": eager_checksum, "world": trainer.world_size,
-                   "compiled": is_compiled(model.model), "graphs": counters["stats"]["unique_graphs"],
-                   "scaler": type(scaler).__name__ if scaler is not None else None,
-                   "scale": float(scaler.get_scale()) if scaler is not None else None,
-                   "dp_size": trainer.strategy.device_mesh["data_parallel"].size() if a.strategy == "fsdp" and world > 1 else None}
+    payload = run(a.strategy, a.root_dir)
+    payload["eager_checksum"] = eager_checksum
+    if a.then_fsdp:  # the same again under FSDP2, in these processes (the trainer joins their process group)
+        payload["fsdp"] = run("fsdp", str(Path(a.root_dir) / "fsdp"))
+    if payload["global_zero"]:
         Path(a.out).write_text(json.dumps(payload))
-
 
 if __name__ == "__main__":
     main()
