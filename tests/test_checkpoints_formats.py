@@ -214,6 +214,26 @@ def test_python2_detectron2_pickle_loads(tmp_path: Path) -> None:
     _same(src, dst)
 
 
+def test_a_sharded_checkpoint_folder_is_named_where_a_file_is_needed(tmp_path: Path) -> None:
+    """FSDP with ``save_distributed_checkpoint=True`` writes ``last.ckpt`` as a folder of shards: loading
+    a task, predicting or exporting from it is one error saying so (it resumes a fit; nothing else reads it)."""
+    from vtdense.tasks.detection import DetectionTask
+    from vtdense.tasks.segmentation import SegmentationTask
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"")
+    (folder / "__0_0.distcp").write_bytes(b"")
+    message = rf"checkpoint '{re.escape(str(folder))}' is the folder of a sharded checkpoint \(FSDP with save_distributed_checkpoint=True\)"
+    for load in (DetectionTask.from_checkpoint, SegmentationTask.from_checkpoint, lambda f: vtdense.export(f, tmp_path / "x.onnx")):
+        with pytest.raises(ValueError, match=message):
+            load(folder)
+    (folder / ".metadata").unlink()
+    with pytest.raises(ValueError, match=rf"checkpoint '{re.escape(str(folder))}' is a folder, not a .ckpt file"):
+        DetectionTask.from_checkpoint(folder)
+    assert not (tmp_path / "x.onnx").exists()
+
+
 def test_unreadable_containers_name_the_file(tmp_path: Path) -> None:
     """A truncated safetensors file, torch zip archive or detectron2 pickle, and a torch file holding
     something other than a state dict (a training checkpoint whose weights sit under a key vtdense does

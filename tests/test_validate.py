@@ -113,10 +113,14 @@ def test_bad_input_is_one_error_before_the_model_runs(det_run: dict, tmp_path: P
         data["categories"] = data["categories"][:1]
         data["annotations"] = [a for a in data["annotations"] if a["category_id"] == kept]
 
+    sharded = tmp_path / "last.ckpt"  # what FSDP writes with save_distributed_checkpoint=True: a folder
+    sharded.mkdir()
+    (sharded / ".metadata").write_bytes(b"")
     renamed = _edit_val(root, tmp_path / "renamed", rename)
     fewer = _edit_val(root, tmp_path / "fewer", one_class)
     cases = [
         ([f"--ckpt_path={tmp_path / 'nope.ckpt'}"], FileNotFoundError, "checkpoint not found"),
+        ([f"--ckpt_path={sharded}"], ValueError, "is the folder of a sharded checkpoint (FSDP with save_distributed_checkpoint=True)"),
         ([f"--ckpt_path={best}", f"--data.root={renamed}"], ValueError, "trained on the categories"),
         ([f"--ckpt_path={best}", f"--data.root={fewer}"], ValueError, "num_classes=2 but the data"),
         ([f"--ckpt_path={best}", f"--data.root={tmp_path / 'missing'}"], FileNotFoundError, "COCO root not found"),

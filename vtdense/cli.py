@@ -549,7 +549,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
 
     with before_run():  # everything a user can get wrong, checked before the model runs
         ns = predict_parser(prog).parse_args(args)
-        if not Path(ns.ckpt_path).expanduser().is_file():
+        if not Path(ns.ckpt_path).expanduser().exists():
             raise FileNotFoundError(f"--ckpt_path: checkpoint not found: {ns.ckpt_path}")
         if ns.batch_size < 1 or ns.num_workers < 0 or ns.devices < 1:
             raise ValueError("--data.batch_size and --devices must be >= 1, --data.num_workers >= 0")

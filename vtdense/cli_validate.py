@@ -115,7 +115,7 @@ def run_validate(
         device = getattr(ns, "device", None) or "auto"
         devices = int(getattr(ns, "devices", None) or 1)
         output = getattr(ns, "output", None)
-        if not Path(ckpt).expanduser().is_file():
+        if not Path(ckpt).expanduser().exists():  # a folder: one error from from_checkpoint
             raise FileNotFoundError(f"--ckpt_path: checkpoint not found: {ckpt}")
         if devices < 1:
             raise ValueError("--devices must be >= 1")

@@ -287,6 +287,10 @@ def _resolve(source: Any, backbone_kwargs: Mapping[str, Any] | None) -> tuple[nn
 
             return create_backbone(source, **dict(backbone_kwargs or {})).eval(), {**info, "kind": "backbone"}
         path = Path(source)
+        if path.is_dir():
+            from vtdense.checkpoints.io import read_task_checkpoint
+
+            read_task_checkpoint(path)  # raises: a folder (a sharded checkpoint?) is no checkpoint file
         if not path.is_file():
             raise FileNotFoundError(
                 f"{str(source)!r} is neither a file nor a backbone name; backbone names: {', '.join(list_backbones())}"

@@ -264,6 +264,14 @@ def read_task_checkpoint(path: str | Path, mapped: bool = False) -> dict[str, An
             ``weights_only=True``) or is no checkpoint dict; each message names the file.
     """
     path = Path(path).expanduser()
+    if path.is_dir():
+        if (path / ".metadata").is_file():
+            raise ValueError(
+                f"checkpoint {str(path)!r} is the folder of a sharded checkpoint (FSDP with save_distributed_checkpoint=True), "
+                "not a .ckpt file: loading a model from it outside the fit is not supported; resume the fit from it "
+                "(--ckpt_path) with save_distributed_checkpoint=False, the default, to have rank 0 write one file"
+            )
+        raise ValueError(f"checkpoint {str(path)!r} is a folder, not a .ckpt file")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
     damage = cut_short(path)
