@@ -206,3 +206,49 @@ def test_segmentation_checkpoint_scores_as_its_fit_did(tmp_path: Path, capsys: p
         recipe.main(["validate", f"--ckpt_path={best}", f"--data.root={other}", f"--output={tmp_path / 'x'}"])
     assert getattr(info.value, "vtdense_before_run", False)
     assert not (tmp_path / "x").exists()
+
+
+def test_predict_from_a_coco_file_writes_the_results_validate_scores(det_run: dict, tmp_path: Path) -> None:
+    """``predict --data.predict_path image_info.json --data.predict_images DIR`` (a COCO test-dev
+    submission): ``results.json`` carries the file's image ids and the checkpoint's category ids, at
+    the model's own score threshold, and holds the detections ``validate`` writes for those images."""
+    best, root = det_run["best"], det_run["root"]
+    instances = json.loads((root / "annotations" / "instances_val2017.json").read_text())
+    info = tmp_path / "image_info.json"  # as test-dev's: images and categories, no annotations
+    info.write_text(json.dumps({"images": instances["images"], "categories": instances["categories"]}))
+    out = tmp_path / "pred"
+    coco_recipe().main(["predict", f"--ckpt_path={best}", f"--data.predict_path={info}", f"--data.predict_images={root / 'val2017'}",
+                        f"--output={out}", "--progress_bar=false", "--data.num_workers=0"])
+    results = json.loads((out / "results.json").read_text())
+    index = json.loads((out / "images.json").read_text())
+    assert sorted(i["id"] for i in index["images"]) == sorted(i["id"] for i in instances["images"])
+    assert {r["image_id"] for r in results} <= {i["id"] for i in instances["images"]}
+    assert {r["category_id"] for r in results} <= {c["id"] for c in instances["categories"]}
+
+    # validate, one image per batch as predict runs, writes the same detections, and pycocotools gives
+    # predict's file the mAP validate reports
+    metrics = coco_recipe().main(["validate", f"--ckpt_path={best}", "--data.batch_size=1", f"--output={tmp_path / 'val'}",
+                                  "--progress_bar=false"])
+    reference = json.loads((tmp_path / "val" / "bbox.json").read_text())
+    key = lambda r: (r["image_id"], r["category_id"], round(r["score"], 4))  # noqa: E731
+    assert len(results) == len(reference) > 0 and sorted(map(key, results)) == sorted(map(key, reference))
+    stats = _rescore(root / "annotations" / "instances_val2017.json", results, "bbox")
+    assert abs(stats[0] - metrics["val/bbox_mAP"]) < 1e-6 and abs(stats[8] - metrics["val/bbox_mAR100"]) < 1e-6
+
+    # what is wrong with the file or the folder: one error before the model runs
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"images": instances["images"], "categories": [{**c, "id": c["id"] + 100} for c in instances["categories"]]}))
+    moved = tmp_path / "half"
+    shutil.copytree(root / "val2017", moved)
+    next(moved.iterdir()).unlink()
+    cases = [
+        ([f"--data.predict_path={info}"], ValueError, "give --data.predict_images"),
+        ([f"--data.predict_path={other}", f"--data.predict_images={root / 'val2017'}"], ValueError, "trained on the categories"),
+        ([f"--data.predict_path={info}", f"--data.predict_images={moved}"], FileNotFoundError, "1 of 4 images image_info.json lists"),
+        ([f"--data.predict_path={root / 'val2017'}", f"--data.predict_images={moved}"], ValueError, "only to a COCO JSON"),
+    ]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message) as caught:
+            coco_recipe().main(["predict", f"--ckpt_path={best}", *args, f"--output={tmp_path / 'x'}"])
+        assert getattr(caught.value, "vtdense_before_run", False)
+    assert not (tmp_path / "x").exists()

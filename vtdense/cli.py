@@ -492,10 +492,14 @@ def predict_parser(prog: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--ckpt_path", required=True, help="checkpoint of a run of this recipe (e.g. RUN/checkpoints/best-....ckpt)")
     p.add_argument("--data.predict_path", dest="predict_path", required=True,
-                   help="an image, a folder of images, or a glob such as 'photos/*.jpg' (quote it)")
+                   help="an image, a folder of images, a glob such as 'photos/*.jpg' (quote it), or (detection) a COCO "
+                   "JSON file listing images, e.g. image_info_test-dev2017.json: results.json then has its image ids")
+    p.add_argument("--data.predict_images", dest="predict_images", default=None,
+                   help="with a COCO JSON --data.predict_path: the folder its file_name entries are relative to")
     p.add_argument("--output", default=None, help="output folder (default: RUN/predict_<YYYYmmdd-HHMMSS>)")
     p.add_argument("--score_thresh", type=float, default=None,
-                   help="detection: keep detections scoring above this (default 0.5)")
+                   help="detection: keep detections scoring above this (default 0.5; with a COCO JSON file, the "
+                   "model's own score_thresh, as validation: 0.05 in the recipes)")
     p.add_argument("--device", choices=sorted(DEVICES), default="auto", help="where the model runs (default auto)")
     p.add_argument("--devices", type=int, default=1, help="number of devices (several: DDP, each writes its share)")
     p.add_argument("--bf16", action="store_true", help="bfloat16 autocast (bf16-mixed precision)")
@@ -543,7 +547,15 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
 
     from torch.utils.data import DataLoader
 
-    from vtdense.data.predict import PredictImages, check_eval_scale, collate_predict, first_names, list_images
+    from vtdense.data.predict import (
+        PredictImages,
+        check_eval_scale,
+        coco_category_tables,
+        collate_predict,
+        first_names,
+        list_coco_images,
+        list_images,
+    )
     from vtdense.models.compile import check_compile_option
     from vtdense.tasks.predict import PredictionWriter, default_output_dir
 
@@ -558,8 +570,22 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
         if ns.output:
             _check_output_folder(ns.output)
         compile_backend = check_compile_option(ns.compile_backbone, "--compile_backbone")
-        files = list_images(ns.predict_path)
+        coco_file = str(ns.predict_path).lower().endswith(".json")
+        if coco_file:  # the images a COCO file lists, with its image ids (a test-dev submission)
+            if ns.predict_images is None:
+                raise ValueError(f"--data.predict_path {ns.predict_path} is a COCO JSON file: give --data.predict_images, "
+                                 "the folder its file_name entries are relative to")
+            files, coco_categories = list_coco_images(ns.predict_path, ns.predict_images)
+        elif ns.predict_images is not None:
+            raise ValueError("--data.predict_images applies only to a COCO JSON --data.predict_path")
+        else:
+            files = list_images(ns.predict_path)
         task: Any = task_cls.from_checkpoint(ns.ckpt_path, map_location="cpu", compile_backbone=compile_backend or False)
+        if coco_file:
+            if not hasattr(task, "label_to_category_id"):
+                raise ValueError(f"a COCO JSON --data.predict_path applies to detection checkpoints, not a {type(task).__name__} one")
+            if coco_categories:  # its category ids must be the ones the model predicts
+                task.check_data_fits(coco_category_tables(coco_categories), ns.ckpt_path)
 
         given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale") if getattr(ns, k) is not None}
         accepted = inspect.signature(task.predict_transform).parameters
@@ -575,6 +601,8 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
         if ns.score_thresh is not None and not has_threshold:
             raise ValueError(f"--score_thresh does not apply to a {type(task).__name__} checkpoint")
         score_thresh = (0.5 if ns.score_thresh is None else ns.score_thresh) if has_threshold else None
+        if coco_file and ns.score_thresh is None:
+            score_thresh = float(task.hparams["score_thresh"])  # as validation keeps them, for COCO's scoring
         if score_thresh is not None and not 0.0 <= score_thresh <= 1.0:
             raise ValueError(f"--score_thresh must be in [0, 1], got {score_thresh}")
         if ns.size_divisibility is not None:
@@ -586,6 +614,8 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
         loader = DataLoader(dataset, batch_size=ns.batch_size, num_workers=ns.num_workers, collate_fn=collate_predict)
         out_dir = Path(ns.output).expanduser() if ns.output else default_output_dir(ns.ckpt_path)
         info: dict[str, Any] = {"checkpoint": str(Path(ns.ckpt_path).expanduser().resolve()), "predict_path": ns.predict_path}
+        if ns.predict_images is not None:
+            info["predict_images"] = ns.predict_images
         if score_thresh is not None:
             info["score_thresh"] = score_thresh
         if ns.size_divisibility is not None:

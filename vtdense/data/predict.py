@@ -45,10 +45,13 @@ __all__ = [
     "ImageFile",
     "ImageSource",
     "PredictImages",
+    "CategoryTables",
     "check_eval_scale",
+    "coco_category_tables",
     "collate_predict",
     "detection_predict_transform",
     "first_names",
+    "list_coco_images",
     "list_images",
     "segmentation_predict_transform",
 ]
@@ -83,11 +86,12 @@ def _check_header(path: Path) -> None:
 class ImageFile(NamedTuple):
     """One listed image: ``path`` on disk, ``file_name`` relative to the folder or glob root
     (``a/b.jpg``), ``name`` the unique output name without suffix (``a/b``, or ``a/b_jpg`` when
-    ``a/b.png`` is listed too)."""
+    ``a/b.png`` is listed too), and ``image_id``, the id a COCO file gives it (else ``None``)."""
 
     path: Path
     file_name: str
     name: str
+    image_id: int | None = None
 
 
 def _image_files(files: Sequence[Path], base: Path | None) -> list[ImageFile]:
@@ -249,6 +253,79 @@ def segmentation_predict_transform(scale: Sequence[int] | None = (2048, 512)) ->
     return apply
 
 
+def list_coco_images(ann_file: str | os.PathLike[str], images_dir: str | os.PathLike[str]) -> tuple[list[ImageFile], list[dict[str, Any]]]:
+    """The images a COCO JSON file lists (an image-info file such as ``image_info_test-dev2017.json``,
+    or an instances file; annotations are not read), each with its COCO ``image_id``, so that
+    predictions can be written as COCO results for those ids (a test-dev submission).
+
+    Args:
+        ann_file: The JSON file: ``images`` with ``id`` and ``file_name``; ``categories`` if any.
+        images_dir: The folder the ``file_name`` entries are relative to.
+
+    Returns:
+        ``(images, categories)``: one :class:`ImageFile` per listed image, in the file's order, and
+        the file's categories sorted by id (``[]`` when it has none).
+
+    Raises:
+        FileNotFoundError: the file or the folder does not exist, or listed images are missing
+            (the first few named, with their count).
+        ValueError: the file is not JSON, has no ``images`` list, an entry without an integer
+            ``id`` or a ``file_name``, or an id twice; each message names the file.
+        BadSampleError: a listed file is not an image (its header).
+    """
+    import json
+
+    ann, folder = Path(ann_file).expanduser(), Path(images_dir).expanduser()
+    if not ann.is_file():
+        raise FileNotFoundError(f"COCO file not found: {ann}")
+    if not folder.is_dir():
+        raise FileNotFoundError(f"image folder not found: {folder} (the folder {ann.name}'s file_name entries are relative to)")
+    try:
+        data = json.loads(ann.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{ann} is not a valid COCO JSON file: {e}") from None
+    images = data.get("images") if isinstance(data, dict) else None
+    if not isinstance(images, list) or not images:
+        raise ValueError(f"{ann}: no 'images' list (a COCO image-info or instances file lists its images there)")
+    seen: dict[int, str] = {}
+    for entry in images:
+        ok = isinstance(entry, dict) and isinstance(entry.get("id"), int) and isinstance(entry.get("file_name"), str)
+        if not ok:
+            raise ValueError(f"{ann}: an entry of 'images' without an integer 'id' and a 'file_name': {str(entry)[:200]}")
+        if entry["id"] in seen:
+            raise ValueError(f"{ann}: duplicate image id {entry['id']} ({seen[entry['id']]} and {entry['file_name']})")
+        seen[entry["id"]] = entry["file_name"]
+    missing = [e["file_name"] for e in images if not (folder / e["file_name"]).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{len(missing)} of {len(images)} images {ann.name} lists are not in {folder}: {first_names(missing)}")
+    files = [folder / e["file_name"] for e in images]
+    for f in files:
+        _check_header(f)
+    listed = _image_files(files, folder)
+    categories = data.get("categories") or []
+    if not isinstance(categories, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), int) for c in categories):
+        raise ValueError(f"{ann}: 'categories' must be a list of entries with an integer 'id'")
+    return [f._replace(image_id=int(e["id"])) for f, e in zip(listed, images)], sorted(categories, key=lambda c: c["id"])
+
+
+class CategoryTables(NamedTuple):
+    """A COCO file's categories as a datamodule gives them (what ``Task.check_data_fits`` reads)."""
+
+    num_classes: int
+    label_to_category_id: dict[int, int]
+    category_names: list[str]
+
+
+def coco_category_tables(categories: Sequence[dict[str, Any]]) -> CategoryTables:
+    """Labels ``1..K`` for COCO ``categories`` in id order, as :class:`~vtdense.data.coco.COCODetection` numbers them."""
+    ordered = sorted(categories, key=lambda c: c["id"])
+    return CategoryTables(
+        len(ordered),
+        {i + 1: int(c["id"]) for i, c in enumerate(ordered)},
+        ["__background__"] + [str(c.get("name", c["id"])) for c in ordered],
+    )
+
+
 # ---------------------------------------------------------------------------------- dataset
 class PredictImages(Dataset):
     """Files (or tensors) preprocessed for prediction, original sizes and names kept.
@@ -277,14 +354,14 @@ class PredictImages(Dataset):
         transform: Callable[[Tensor], Tensor],
         max_decode_side: int = _DECODE_MAX_SIDE,
     ) -> None:
-        self.items: list[tuple[Path | Tensor, str | None, str]] = []
+        self.items: list[tuple[Path | Tensor, str | None, str, int | None]] = []
         for i, s in enumerate(sources):
             if isinstance(s, ImageFile):
-                self.items.append((s.path, s.file_name, s.name))
+                self.items.append((s.path, s.file_name, s.name, s.image_id))
             elif isinstance(s, Tensor):
-                self.items.append((_as_image_tensor(s), None, f"image_{i:05d}"))
+                self.items.append((_as_image_tensor(s), None, f"image_{i:05d}", None))
             else:
-                self.items.append((Path(s), Path(s).name, Path(s).stem))
+                self.items.append((Path(s), Path(s).name, Path(s).stem, None))
         self.transform = transform
         # never decode below the model's input: its resize would then upsample a reduced decode
         self.max_decode_side = max(int(max_decode_side), int(getattr(transform, "model_long_side", 0)))
@@ -293,7 +370,7 @@ class PredictImages(Dataset):
         return len(self.items)
 
     def __getitem__(self, index: int) -> tuple[Tensor, dict[str, Any]]:
-        src, file_name, name = self.items[index]
+        src, file_name, name, image_id = self.items[index]
         if isinstance(src, Tensor):
             pixels, orig = src, (int(src.shape[-2]), int(src.shape[-1]))
             path = None
@@ -306,13 +383,15 @@ class PredictImages(Dataset):
             pixels, orig, path = TF.pil_to_tensor(decoded.image), decoded.full_size, str(src)
         image = self.transform(pixels)
         target = {"orig_size": orig, "file_name": file_name, "name": name, "path": path, "index": index}
+        if image_id is not None:
+            target["image_id"] = image_id
         return image, target
 
     def skipped(self, done: Sequence[int]) -> list[str]:
         """Input names (``file_name``, or the output name of a tensor) of the items whose index is
         not in ``done``: the files skipped as undecodable when ``done`` holds every predicted index."""
         have = set(int(i) for i in done)
-        return [file_name or name for i, (_, file_name, name) in enumerate(self.items) if i not in have]
+        return [file_name or name for i, (_, file_name, name, _) in enumerate(self.items) if i not in have]
 
 
 def collate_predict(batch: Sequence[tuple[Tensor, dict[str, Any]] | None]) -> tuple[list[Tensor], list[dict[str, Any]]]:

@@ -903,18 +903,19 @@ class DetectionTask(BaseTask):
                 det["segmentation"] = rle
             dets.append(det)
         h0, w0 = (int(v) for v in target["orig_size"])
-        return {"index": int(target["index"]), "file_name": target["file_name"], "path": target["path"],
-                "height": h0, "width": w0, "vis": vis, "detections": dets}
+        return {"index": int(target["index"]), "image_id": target.get("image_id"), "file_name": target["file_name"],
+                "path": target["path"], "height": h0, "width": w0, "vis": vis, "detections": dets}
 
     def write_prediction_index(self, out_dir: Path, records: list[dict[str, Any]], info: dict[str, Any]) -> list[Path]:
         """``results.json`` (COCO results: one record per detection, with ``file_name``; loads with
         ``COCO.loadRes``) and ``images.json`` (``images`` with ids, file names, sizes and drawings,
-        ``categories``, the options used)."""
+        ``categories``, the options used). Image ids are the ones a COCO file listing the images
+        gave (``--data.predict_path image_info.json``), else 1, 2, ... in input order."""
         from vtdense.tasks.predict import write_file
 
         results, images = [], []
         for rec in records:
-            image_id = rec["index"] + 1
+            image_id = rec["image_id"] if rec.get("image_id") is not None else rec["index"] + 1
             for det in rec["detections"]:
                 results.append({"image_id": image_id, "file_name": rec["file_name"], **det})
             images.append({"id": image_id, "file_name": rec["file_name"], "path": rec["path"], "height": rec["height"],
