@@ -116,12 +116,18 @@ def test_bad_input_is_one_error_before_the_model_runs(det_run: dict, tmp_path: P
     sharded = tmp_path / "last.ckpt"  # what FSDP writes with save_distributed_checkpoint=True: a folder
     sharded.mkdir()
     (sharded / ".metadata").write_bytes(b"")
+    bare = tmp_path / "no_data_options.ckpt"  # as a fit without a datamodule writes it
+    import torch
+
+    saved = torch.load(best, weights_only=True, map_location="cpu")
+    torch.save({k: v for k, v in saved.items() if k != "datamodule_hyper_parameters"}, bare)
     renamed = _edit_val(root, tmp_path / "renamed", rename)
     fewer = _edit_val(root, tmp_path / "fewer", one_class)
     cases = [
         ([f"--ckpt_path={tmp_path / 'nope.ckpt'}"], FileNotFoundError, "checkpoint not found"),
         ([f"--ckpt_path={sharded}"], ValueError, "is the folder of a sharded checkpoint (FSDP with save_distributed_checkpoint=True)"),
         ([f"--ckpt_path={best}", f"--data.root={renamed}"], ValueError, "trained on the categories"),
+        ([f"--ckpt_path={bare}"], ValueError, "holds no data options"),
         ([f"--ckpt_path={best}", f"--data.root={fewer}"], ValueError, "num_classes=2 but the data"),
         ([f"--ckpt_path={best}", f"--data.root={tmp_path / 'missing'}"], FileNotFoundError, "COCO root not found"),
         ([f"--ckpt_path={best}", "--model.fpn_channels=8"], ValueError, "does not fit this model"),
@@ -146,8 +152,6 @@ def test_bad_input_is_one_error_before_the_model_runs(det_run: dict, tmp_path: P
 
     # from the script: exit status 2 and one line; a segmentation checkpoint is not a detection one
     seg_ckpt = tmp_path / "seg.ckpt"
-    import torch
-
     torch.save({"state_dict": {}, "hyper_parameters": {"arch": "upernet"}, "vtdense_task": "SegmentationTask"}, seg_ckpt)
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, str(REPO / "recipes" / "coco_swin.py"), "validate", f"--ckpt_path={seg_ckpt}"],

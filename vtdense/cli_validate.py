@@ -131,6 +131,9 @@ def run_validate(
                                    for group in ("model", "data"))  # "__path__": a --data CONFIG.yaml
         model_given["compile_backbone"] = check_compile_option(model_given.get("compile_backbone", False), "--model.compile_backbone") or False
         task: Any = task_cls.from_checkpoint(ckpt, map_location="cpu", **model_given)
+        if not task.datamodule_hparams and not data_given:  # else a default location, or synthetic data, would be scored
+            raise ValueError(f"checkpoint {ckpt} holds no data options (it was not trained with a vtdense data module): "
+                             "say where the data is, e.g. --data.root DIR")
         options = _datamodule_options(datamodule_cls, task.datamodule_hparams or {}, data_given)
         make = getattr(datamodule_cls, "for_evaluation", datamodule_cls)
         try:
