@@ -31,7 +31,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from vtdense.allocator import enabled_by_environment, keep_freed_memory
-from vtdense.cli_validate import VALIDATE_WORD, run_validate, write_metrics_json
+from vtdense.cli_validate import VALIDATE_WORD, numeric_metrics, run_validate, write_metrics_json
 from vtdense.tasks.base import resolve_run_dir
 
 __all__ = [
@@ -305,16 +305,6 @@ def fit_resumable(trainer: Trainer, model: LightningModule, datamodule: Lightnin
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, **kwargs)
 
 
-def _to_float(value: Any) -> float | None:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            return None
-        value = value.item()
-    if isinstance(value, (int, float)):
-        return float(value)
-    return None
-
-
 def format_metrics_table(metrics: dict[str, float], title: str = "final metrics") -> str:
     """Format ``{name: value}`` as a two-column text table."""
     if not metrics:
@@ -414,13 +404,7 @@ def run_recipe(
     ckpt_path = trainer.strategy.broadcast(ckpt_path)
     results = trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=False)
 
-    metrics: dict[str, float] = {}
-    for result in results:
-        for key, value in result.items():
-            number = _to_float(value)
-            if number is not None:
-                metrics[key] = number
-
+    metrics = numeric_metrics(results)
     out_dir = resolve_run_dir(trainer)  # a collective under DDP: every rank, before the rank-0 branch
     if trainer.is_global_zero:
         write_metrics_json(out_dir, metrics, checkpoint=ckpt_path)

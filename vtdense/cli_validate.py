@@ -29,7 +29,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 
 from vtdense.tasks.base import atomic_write_bytes, resolve_run_dir
 
-__all__ = ["VALIDATE_WORD", "run_validate", "validate_parser", "write_metrics_json"]
+__all__ = ["VALIDATE_WORD", "numeric_metrics", "run_validate", "validate_parser", "write_metrics_json"]
 
 VALIDATE_WORD = "validate"
 
@@ -57,6 +57,22 @@ def validate_parser(task_cls: type[LightningModule], datamodule_cls: type[Lightn
     p.add_class_arguments(datamodule_cls, "data", sub_configs=True)
     p.add_class_arguments(task_cls, "model", sub_configs=True)
     return p
+
+
+def numeric_metrics(results: list[dict[str, Any]]) -> dict[str, float]:
+    """``{name: float}`` of what ``trainer.validate`` returned: scalars and one-element tensors."""
+    import torch
+
+    metrics: dict[str, float] = {}
+    for result in results:
+        for key, value in result.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    continue
+                value = value.item()
+            if isinstance(value, (int, float)):
+                metrics[key] = float(value)
+    return metrics
 
 
 def write_metrics_json(out_dir: Path, metrics: dict[str, float], **extra: Any) -> Path:
@@ -104,7 +120,7 @@ def run_validate(
     Raises:
         FileNotFoundError, ValueError: before the model runs, naming the file or option.
     """
-    from vtdense.cli import DEVICES, _check_output_folder, _to_float, before_run, describe_run_dir, format_metrics_table
+    from vtdense.cli import DEVICES, _check_output_folder, before_run, describe_run_dir, format_metrics_table
     from vtdense.models.compile import check_compile_option
     from vtdense.tasks.predict import default_output_dir
 
@@ -152,13 +168,7 @@ def run_validate(
             enable_progress_bar=bool(getattr(ns, "progress_bar", True)),
             default_root_dir=str(out_dir),
         )
-    results = trainer.validate(task, datamodule=datamodule, verbose=False)
-    metrics: dict[str, float] = {}
-    for result in results:
-        for key, value in result.items():
-            number = _to_float(value)
-            if number is not None:
-                metrics[key] = number
+    metrics = numeric_metrics(trainer.validate(task, datamodule=datamodule, verbose=False))
     out_dir = resolve_run_dir(trainer)  # a collective under DDP: every rank, before the rank-0 branch
     if trainer.is_global_zero:
         data = {k: v for k, v in options.items() if v is not None}
