@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from vtdense import create_backbone
+from vtdense.models.compile import compile_backbone
 from vtdense.models.detection import build_detector
 
 ONE_HEAD_FIRST = {
@@ -45,4 +46,17 @@ def test_detector_gradients_have_their_parameters_strides() -> None:
                {"boxes": torch.tensor([[4.0, 20.0, 40.0, 85.0]]), "labels": torch.tensor([2]),
                 "masks": torch.ones(1, 90, 61, dtype=torch.uint8)}]
     sum(model(images, targets).values()).backward()
+    assert _mismatched(model) == []
+
+
+def test_compiled_mvitv2_pooling_gradients_have_their_weights_strides() -> None:
+    """In a compiled graph (``compile_backbone``, AOT autograd's trace, which Inductor also gets) a one-head
+    MViTv2 stage pools with the opaque depthwise-conv op, whose backward gives the weight gradient the
+    weight's strides itself; before, DDP warned about ``pool_q/k/v.weight`` in compiled training."""
+    torch.manual_seed(0)
+    model = create_backbone("mvitv2_tiny", **ONE_HEAD_FIRST["mvitv2_tiny"], drop_path_rate=0.0).train()
+    compile_backbone(model, "aot_eager")
+    out = model(torch.randn(2, 3, 64, 96))
+    sum(f.square().mean() for f in out.values()).backward()
+    assert any(n.endswith("pool_q.weight") for n, p in model.named_parameters() if p.grad is not None)
     assert _mismatched(model) == []

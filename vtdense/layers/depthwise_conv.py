@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from vtdense.layers.grad_layout import restride
+
 __all__ = ["depthwise_conv_nhwc"]
 
 
@@ -67,13 +69,16 @@ def _op_backward(grad: Tensor, rows: Tensor, filters: Tensor, H: int, W: int, st
         gy, gw, _ = torch.ops.aten.convolution_backward(
             g, _conv_input(rows, H, W), filters, None, stride, padding, [1, 1], False, [0, 0], rows.shape[1],
             [True, True, False])
-    return [gy.permute(0, 2, 3, 1).reshape(rows.shape).contiguous(), gw.contiguous()]
+    # the weight gradient in the filters' strides: oneDNN returns a (C, 1, kh, kw) one channels-last, which
+    # differs only in the size-1 dimension (a view), and DDP warns where a parameter's gradient and its
+    # bucket differ in strides (see vtdense.layers.grad_layout)
+    return [gy.permute(0, 2, 3, 1).reshape(rows.shape).contiguous(), restride(gw.contiguous(), filters.shape, filters.stride())]
 
 
 @_op_backward.register_fake
 def _(grad: Tensor, rows: Tensor, filters: Tensor, H: Any, W: Any, stride: List[int], padding: List[int]) -> List[Tensor]:
     return [torch.empty_like(rows, memory_format=torch.contiguous_format),
-            torch.empty_like(filters, memory_format=torch.contiguous_format)]
+            torch.empty_strided(filters.shape, filters.stride(), dtype=filters.dtype, device=filters.device)]
 
 
 def _setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:

@@ -18,10 +18,11 @@ from torch import Tensor
 
 from vtdense.layers.tracing import tracing
 
-__all__ = ["param_layout"]
+__all__ = ["param_layout", "restride"]
 
 
-def _restride(grad: Tensor, size: torch.Size, stride: tuple[int, ...]) -> Tensor:
+def restride(grad: Tensor, size: torch.Size, stride: tuple[int, ...]) -> Tensor:
+    """``grad`` with ``stride``: a view where the two differ only in size-1 dimensions, else a copy."""
     if grad.stride() == stride:
         return grad
     if all(g == s for g, s, n in zip(grad.stride(), stride, size) if n > 1):  # same elements: a view
@@ -37,13 +38,15 @@ class _ParamLayout(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return _restride(grad, ctx.size, ctx.stride)
+        return restride(grad, ctx.size, ctx.stride)
 
 
 def param_layout(weight: Tensor) -> Tensor:
     """``weight`` (any shape), whose gradient reaches it in ``weight``'s strides. Outside autograd
     (no gradient wanted), and while a graph is built or a ``torch.func`` transform runs
-    (:func:`~vtdense.layers.tracing.tracing`: compiled graphs stay as they were), ``weight`` itself."""
+    (:func:`~vtdense.layers.tracing.tracing`: compiled graphs stay as they were), ``weight`` itself;
+    there the ops give their weight gradients the weight's strides themselves
+    (:func:`vtdense.layers.depthwise_conv.depthwise_conv_nhwc`)."""
     if not (weight.requires_grad and torch.is_grad_enabled()) or tracing():
         return weight
     return _ParamLayout.apply(weight)
