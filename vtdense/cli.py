@@ -421,7 +421,13 @@ def _build_cli(
     demo_config: str | Path | None,
 ) -> VtdenseCLI:
     """The recipe's :class:`VtdenseCLI` (parsed, task / datamodule / trainer built, nothing run)."""
-    parser_kwargs: dict[str, Any] = {}
+    prog = Path(sys.argv[0]).name
+    parser_kwargs: dict[str, Any] = {"description": (
+        f"Fit, then validate the best checkpoint (the options below). Two subcommands use a trained checkpoint: "
+        f"'{prog} {VALIDATE_WORD} --ckpt_path CKPT' scores it on a dataset, and "
+        f"'{prog} {PREDICT_WORD} --ckpt_path CKPT --data.predict_path IMAGES' predicts on images "
+        f"(each with its own --help)."
+    )}
     if demo_config is not None and default_config is not None:
         argv = sys.argv[1:] if args is None else list(args)
         chosen = choose_config(datamodule_cls, argv, Path(default_config), Path(demo_config))
