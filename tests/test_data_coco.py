@@ -401,7 +401,7 @@ def test_explicit_missing_root_is_an_error(tmp_path: Path) -> None:
         COCODataModule(root=str(tmp_path / "half"))
 
 
-def test_for_evaluation_needs_only_the_validation_split(coco_root: Path, tmp_path: Path) -> None:
+def test_for_evaluation_needs_only_the_validation_split(coco_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``for_evaluation`` (the recipes' ``validate``): a root without the training split, or the
     validation files alone without a root; the plain constructor still wants every split."""
     root = tmp_path / "val_only"
@@ -419,6 +419,13 @@ def test_for_evaluation_needs_only_the_validation_split(coco_root: Path, tmp_pat
         assert dm.num_classes == 3 and len(dm.val_dataset) == 6
         images, targets = next(iter(dm.val_dataloader()))
         assert images[0].ndim == 3 and "image_id" in targets[0]
+    # the default location ($VTDENSE_DATA/coco) holding only the validation split: used, not synthetic data
+    monkeypatch.setenv("VTDENSE_DATA", str(tmp_path))
+    root.rename(tmp_path / "coco")
+    dm = COCODataModule.for_evaluation(**SMALL_SIZES)
+    assert dm.paths["val"][0] == tmp_path / "coco" / "annotations" / "instances_val2017.json"
+    root = tmp_path / "coco"
+    val = (str(root / "annotations" / "instances_val2017.json"), str(root / "val2017"))
     with pytest.raises(FileNotFoundError, match="val2017"):  # what evaluation reads must still be there
         COCODataModule.for_evaluation(val_ann=val[0], val_images=str(tmp_path / "val2017"))
 

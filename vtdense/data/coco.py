@@ -714,7 +714,8 @@ class COCODataModule(L.LightningDataModule):
         else:
             default = self.default_root()
             paths = {s: (default / a, default / i) for s, (a, i) in _SPLIT_FILES.items()}
-            if not self.default_data_found():
+            val_found = (default / _SPLIT_FILES["val"][0]).is_file() and (default / _SPLIT_FILES["val"][1]).is_dir()
+            if not (self.default_data_found() or self._evaluation_only and val_found):
                 if not self.synthetic_if_missing:
                     raise FileNotFoundError(
                         f"no COCO dataset at {default.resolve()} (expected annotations/instances_train2017.json, "
