@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from vtdense import create_backbone
-from vtdense.models.compile import compile_backbone
 from vtdense.models.detection import build_detector
 
 ONE_HEAD_FIRST = {
@@ -49,14 +48,23 @@ def test_detector_gradients_have_their_parameters_strides() -> None:
     assert _mismatched(model) == []
 
 
-def test_compiled_mvitv2_pooling_gradients_have_their_weights_strides() -> None:
-    """In a compiled graph (``compile_backbone``, AOT autograd's trace, which Inductor also gets) a one-head
-    MViTv2 stage pools with the opaque depthwise-conv op, whose backward gives the weight gradient the
-    weight's strides itself; before, DDP warned about ``pool_q/k/v.weight`` in compiled training."""
+def test_the_compiled_pooling_op_gives_the_weight_gradient_the_weights_strides() -> None:
+    """In compiled graphs (``compile_backbone``) a one-head MViTv2 stage pools with the opaque
+    depthwise-conv op (its pool weights straight, no ``param_layout``), whose backward gives the
+    ``(C, 1, kh, kw)`` weight gradient the weight's strides itself, in eager calls and under AOT
+    autograd (the graph Inductor also gets); before, DDP warned about ``pool_q/k/v.weight`` in compiled
+    training. The backward's values are checked in ``tests/test_compile_batch.py``."""
+    from vtdense.layers.depthwise_conv import depthwise_conv_nhwc
+
     torch.manual_seed(0)
-    model = create_backbone("mvitv2_tiny", **ONE_HEAD_FIRST["mvitv2_tiny"], drop_path_rate=0.0).train()
-    compile_backbone(model, "aot_eager")
-    out = model(torch.randn(2, 3, 64, 96))
-    sum(f.square().mean() for f in out.values()).backward()
-    assert any(n.endswith("pool_q.weight") for n, p in model.named_parameters() if p.grad is not None)
-    assert _mismatched(model) == []
+    weight = torch.randn(16, 1, 3, 3, requires_grad=True)
+    y = torch.randn(2, 12, 10, 16)
+
+    def pool(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return depthwise_conv_nhwc(y, w, (2, 2), (1, 1))
+
+    torch._dynamo.reset()
+    for fn in (pool, torch.compile(pool, backend="aot_eager", fullgraph=True)):
+        weight.grad = None
+        fn(y, weight).square().sum().backward()
+        assert weight.grad.stride() == weight.stride() == (9, 9, 3, 1), fn
