@@ -537,10 +537,10 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
 
     from torch.utils.data import DataLoader
 
+    from vtdense.data.coco import category_tables
     from vtdense.data.predict import (
         PredictImages,
         check_eval_scale,
-        coco_category_tables,
         collate_predict,
         first_names,
         list_coco_images,
@@ -575,7 +575,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
             if not hasattr(task, "label_to_category_id"):
                 raise ValueError(f"a COCO JSON --data.predict_path applies to detection checkpoints, not a {type(task).__name__} one")
             if coco_categories:  # its category ids must be the ones the model predicts
-                task.check_data_fits(coco_category_tables(coco_categories), ns.ckpt_path)
+                task.check_data_fits(category_tables(coco_categories), ns.ckpt_path)
 
         given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale") if getattr(ns, k) is not None}
         accepted = inspect.signature(task.predict_transform).parameters

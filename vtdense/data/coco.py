@@ -35,7 +35,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import lightning as L
 import numpy as np
@@ -93,11 +93,12 @@ class COCOImageError(COCODatasetError, BadSampleError):
     """One image cannot be used (undecodable, or its size disagrees with the annotation file)."""
 
 
-def load_coco_json(ann_file: str | os.PathLike[str]) -> dict[str, Any]:
+def load_coco_json(ann_file: str | os.PathLike[str], lists: Sequence[str] = ("images", "categories", "annotations")) -> dict[str, Any]:
     """Read a COCO instances JSON and check its top-level structure.
 
     Args:
         ann_file: Path to the JSON file.
+        lists: The top-level lists it must have (an image-info file: ``("images",)``).
 
     Returns:
         The parsed dict.
@@ -117,7 +118,7 @@ def load_coco_json(ann_file: str | os.PathLike[str]) -> dict[str, Any]:
         raise COCODatasetError(f"{path} is not a valid COCO JSON file: {e}") from None
     if not isinstance(data, dict):
         raise COCODatasetError(f"{path} is not a valid COCO JSON file: top level is {type(data).__name__}, not an object")
-    for key in ("images", "categories", "annotations"):
+    for key in lists:
         if key not in data:
             hint = " (an image-info file without ground truth? vtdense needs an instances file)" if key == "annotations" else ""
             raise COCODatasetError(f"{path} is not a valid COCO JSON file: missing list {key!r}{hint}")
@@ -128,8 +129,8 @@ def load_coco_json(ann_file: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def _parse_categories(data: dict[str, Any], path: Path) -> list[dict[str, Any]]:
-    """Validated categories sorted by id."""
+def parse_coco_categories(data: dict[str, Any], path: Path) -> list[dict[str, Any]]:
+    """The validated ``categories`` of a loaded COCO JSON (integer ids, no id twice, not empty), sorted by id."""
     seen: set[int] = set()
     for cat in data["categories"]:
         if not isinstance(cat, dict) or not isinstance(cat.get("id"), int) or isinstance(cat.get("id"), bool):
@@ -142,6 +143,22 @@ def _parse_categories(data: dict[str, Any], path: Path) -> list[dict[str, Any]]:
     return sorted(data["categories"], key=lambda c: c["id"])
 
 
+class CategoryTables(NamedTuple):
+    """Categories as a datamodule gives them to a task: labels ``1..K`` in id order."""
+
+    num_classes: int
+    label_to_category_id: dict[int, int]
+    category_names: list[str]
+
+
+def category_tables(categories: Sequence[dict[str, Any]]) -> CategoryTables:
+    """Labels ``1..K`` for COCO ``categories`` in id order (as :class:`COCODetection` numbers them);
+    ``category_names`` is indexed by label, entry 0 ``"__background__"``."""
+    ordered = sorted(categories, key=lambda c: c["id"])
+    return CategoryTables(len(ordered), {i + 1: int(c["id"]) for i, c in enumerate(ordered)},
+                          ["__background__"] + [str(c.get("name", c["id"])) for c in ordered])
+
+
 def read_coco_categories(ann_file: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Categories of a COCO annotation file, sorted by id (label ``i + 1`` is entry ``i``).
 
@@ -151,7 +168,7 @@ def read_coco_categories(ann_file: str | os.PathLike[str]) -> list[dict[str, Any
     Returns:
         The category dicts (``id``, ``name``, ...), sorted by id.
     """
-    return _parse_categories(load_coco_json(ann_file), Path(ann_file))
+    return parse_coco_categories(load_coco_json(ann_file), Path(ann_file))
 
 
 def _is_number(v: Any) -> bool:
@@ -230,7 +247,7 @@ class COCODetection(SkipOnBadSample, Dataset):
         if not self.image_dir.is_dir():
             raise FileNotFoundError(f"COCO image folder not found: {self.image_dir}")
         data = load_coco_json(self.ann_file)
-        self.categories = _parse_categories(data, self.ann_file)
+        self.categories = parse_coco_categories(data, self.ann_file)
         self.category_id_to_label: dict[int, int] = {c["id"]: i + 1 for i, c in enumerate(self.categories)}
         self.label_to_category_id: dict[int, int] = {v: k for k, v in self.category_id_to_label.items()}
         self.category_names: list[str] = ["__background__"] + [str(c.get("name", c["id"])) for c in self.categories]
@@ -758,12 +775,12 @@ class COCODataModule(L.LightningDataModule):
     @property
     def label_to_category_id(self) -> dict[int, int]:
         """``{label: COCO category id}`` for labels ``1..num_classes``."""
-        return {i + 1: c["id"] for i, c in enumerate(self.categories)}
+        return category_tables(self.categories).label_to_category_id
 
     @property
     def category_names(self) -> list[str]:
         """Class names indexed by label; entry 0 is ``"__background__"``."""
-        return ["__background__"] + [str(c.get("name", c["id"])) for c in self.categories]
+        return category_tables(self.categories).category_names
 
     # ------------------------------------------------------------------------- lightning
     def prepare_data(self) -> None:

@@ -45,9 +45,7 @@ __all__ = [
     "ImageFile",
     "ImageSource",
     "PredictImages",
-    "CategoryTables",
     "check_eval_scale",
-    "coco_category_tables",
     "collate_predict",
     "detection_predict_transform",
     "first_names",
@@ -273,20 +271,15 @@ def list_coco_images(ann_file: str | os.PathLike[str], images_dir: str | os.Path
             ``id`` or a ``file_name``, or an id twice; each message names the file.
         BadSampleError: a listed file is not an image (its header).
     """
-    import json
+    from vtdense.data.coco import load_coco_json, parse_coco_categories
 
     ann, folder = Path(ann_file).expanduser(), Path(images_dir).expanduser()
-    if not ann.is_file():
-        raise FileNotFoundError(f"COCO file not found: {ann}")
+    data = load_coco_json(ann, lists=("images",))
     if not folder.is_dir():
         raise FileNotFoundError(f"image folder not found: {folder} (the folder {ann.name}'s file_name entries are relative to)")
-    try:
-        data = json.loads(ann.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{ann} is not a valid COCO JSON file: {e}") from None
-    images = data.get("images") if isinstance(data, dict) else None
-    if not isinstance(images, list) or not images:
-        raise ValueError(f"{ann}: no 'images' list (a COCO image-info or instances file lists its images there)")
+    images = data["images"]
+    if not images:
+        raise ValueError(f"{ann}: 'images' is empty")
     seen: dict[int, str] = {}
     for entry in images:
         ok = isinstance(entry, dict) and isinstance(entry.get("id"), int) and isinstance(entry.get("file_name"), str)
@@ -302,28 +295,8 @@ def list_coco_images(ann_file: str | os.PathLike[str], images_dir: str | os.Path
     for f in files:
         _check_header(f)
     listed = _image_files(files, folder)
-    categories = data.get("categories") or []
-    if not isinstance(categories, list) or not all(isinstance(c, dict) and isinstance(c.get("id"), int) for c in categories):
-        raise ValueError(f"{ann}: 'categories' must be a list of entries with an integer 'id'")
-    return [f._replace(image_id=int(e["id"])) for f, e in zip(listed, images)], sorted(categories, key=lambda c: c["id"])
-
-
-class CategoryTables(NamedTuple):
-    """A COCO file's categories as a datamodule gives them (what ``Task.check_data_fits`` reads)."""
-
-    num_classes: int
-    label_to_category_id: dict[int, int]
-    category_names: list[str]
-
-
-def coco_category_tables(categories: Sequence[dict[str, Any]]) -> CategoryTables:
-    """Labels ``1..K`` for COCO ``categories`` in id order, as :class:`~vtdense.data.coco.COCODetection` numbers them."""
-    ordered = sorted(categories, key=lambda c: c["id"])
-    return CategoryTables(
-        len(ordered),
-        {i + 1: int(c["id"]) for i, c in enumerate(ordered)},
-        ["__background__"] + [str(c.get("name", c["id"])) for c in ordered],
-    )
+    categories = parse_coco_categories(data, ann) if data.get("categories") else []
+    return [f._replace(image_id=int(e["id"])) for f, e in zip(listed, images)], categories
 
 
 # ---------------------------------------------------------------------------------- dataset
