@@ -39,24 +39,18 @@ def _compiled_and_eager(module: torch.nn.Module, sizes: tuple) -> list:
 def test_declared_flags() -> None:
     """Strict ``torch.export`` equals eager for Swin V1, V2 and MViTv2 (measured outside the suite,
     20-90 s each on 2 CPU cores; the slow test below runs one). SMP's own compile check,
-    ``torch.compile(fullgraph=True, dynamic=True)``, is run for every family: here for the Swin V2
-    encoder alone (one graph, no break, eager's features at two sizes), for MViTv2 inside a whole
-    SMP model by the test below, and for the Swin V1 backbone by ``tests/test_compile.py``."""
+    ``torch.compile(fullgraph=True, dynamic=True)``, holds for every family: the encoder inside a
+    whole SMP model (MViTv2) by the test below, and the Swin V1 and V2 backbones under the same
+    compile at six or seven sizes by ``tests/test_compile.py``."""
     assert all(VtdenseEncoder(n, **TINY[n])._is_torch_exportable for n in TINY)
     assert all(VtdenseEncoder(n, **TINY[n])._is_torch_compilable is True for n in TINY)
-    for name in ["swinv2_tiny"]:
-        encoder = VtdenseEncoder(name, **TINY[name]).eval()
-        for size, got, expected in _compiled_and_eager(encoder, ((64, 64), (96, 160))):
-            assert len(got) == len(expected)
-            for a, b in zip(got, expected):
-                assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (name, size)
 
 
 @pytest.mark.parametrize("arch,backbone", [("upernet", "mvitv2_tiny")])
 def test_whole_smp_segmentor_compiles_to_one_graph(arch: str, backbone: str) -> None:
     """Not only the encoder: an SMP model around a vtdense encoder compiles whole, with
     ``fullgraph=True`` and ``dynamic=True``, and gives eager's logits at sizes of both aspects.
-    (Swin V1 alone under the same compile, at seven sizes: ``tests/test_compile.py``; each
+    (Swin V1 and V2 alone under the same compile, at six or seven sizes: ``tests/test_compile.py``; each
     whole-model trace takes 17-27 s on 2 CPU cores, so one family runs here.)"""
     from vtdense.models.segmentation import build_segmentor
 

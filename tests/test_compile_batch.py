@@ -28,10 +28,11 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _compiled_and_twin(name: str, kwargs: dict, train: bool, random_weights: bool = False) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A backbone compiled by ``compile_backbone`` (``aot_eager``, the graph Inductor receives) and its
-    eager twin with the same weights (``random_weights``: every parameter drawn at random, so that
-    no branch starts at zero); Dynamo's caches and counters cleared."""
+def _compiled_and_twin(name: str, kwargs: dict, train: bool, random_weights: bool = False,
+                       backend: str = "aot_eager") -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A backbone compiled by ``compile_backbone`` (``aot_eager``, the graph Inductor receives, or
+    ``backend``) and its eager twin with the same weights (``random_weights``: every parameter drawn
+    at random, so that no branch starts at zero); Dynamo's caches and counters cleared."""
     from tests.test_swin import randomize_
 
     torch.manual_seed(0)
@@ -41,15 +42,18 @@ def _compiled_and_twin(name: str, kwargs: dict, train: bool, random_weights: boo
     model = copy.deepcopy(twin)
     torch._dynamo.reset()
     counters.clear()
-    compile_backbone(model, "aot_eager", fullgraph=True)
+    compile_backbone(model, backend, fullgraph=True)
     return model, twin
 
 
-def _check_step(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, train: bool) -> None:
-    """One step of the compiled ``model`` and of its eager ``twin``: equal outputs and gradients."""
+def _check_step(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, train: bool, seed: int | None = None) -> None:
+    """One step of the compiled ``model`` and of its eager ``twin``: equal outputs and gradients
+    (``seed``: the random stream seeded alike before each, for the same drop-path draws)."""
     outs = []
     for m in (model, twin):
         m.zero_grad(set_to_none=True)
+        if seed is not None:
+            torch.manual_seed(seed)
         with torch.set_grad_enabled(train):
             out = m(x)
             if train:
@@ -69,21 +73,37 @@ def _check_step(model: torch.nn.Module, twin: torch.nn.Module, x: torch.Tensor, 
 @pytest.mark.parametrize("name,kwargs", [("swin_tiny", SWIN), ("mvitv2_tiny", MVIT)], ids=["swin", "mvitv2"])
 def test_one_training_graph_serves_batches_of_2_1_and_16(name: str, kwargs: dict) -> None:
     """Also MViTv2's decomposed relative positions in training graphs (its hybrid layout attends
-    globally from stage 2): the graph keeps the bias path (the fold's backward does not trace at
-    dynamic sizes) and gives eager's gradients with random weights. Dynamo traces the backbone once:
-    with the model's floats (norms' ``eps``) made graph inputs, as ``torch.compile(dynamic=True)``
-    alone does, lowering the graph specialised them and Dynamo traced everything a second time."""
+    globally from stage 2): the graph keeps the plain bias path and SDPA (the fold's backward does
+    not trace at dynamic sizes; the CPU inference op ``decomposed_attention_cpu`` has no backward)
+    and gives eager's gradients with random weights. Dynamo traces the backbone once: with the
+    model's floats (norms' ``eps``) made graph inputs, as ``torch.compile(dynamic=True)`` alone does,
+    lowering the graph specialised them and Dynamo traced everything a second time.
+
+    Swin V1 with stochastic depth at rates that differ per block, drawn alike in both: one graph
+    for the whole backbone, and eager's outputs and gradients. (A graph break inside the blocks made
+    Dynamo share one resume function between all blocks and guard on each block's rate: it
+    recompiled per block, hit its recompile limit and ran the rest eagerly. MViTv2 with stochastic
+    depth: ``tests/test_compile.py``, with its default weights.)"""
     import torch._dynamo.utils as dynamo_utils
 
-    model, twin = _compiled_and_twin(name, kwargs, train=True, random_weights=name.startswith("mvitv2"))
+    from recorded_graphs import GRAPHS, RECORD_AOT
+
+    GRAPHS.clear()
+    model, twin = _compiled_and_twin(name, {**kwargs, "drop_path_rate": 0.3 if name == "swin_tiny" else 0.0}, train=True,
+                                     random_weights=name.startswith("mvitv2"), backend=RECORD_AOT)
     dynamo_utils.compilation_time_metrics.clear()
-    _check_step(model, twin, torch.randn(2, 3, 192, 256), train=True)
+    _check_step(model, twin, torch.randn(2, 3, 192, 256), train=True, seed=0)
     assert [k for k in dynamo_utils.compilation_time_metrics if k.startswith("compile_attempt_")] == ["compile_attempt_0"]
     first = _graphs()
     assert first == 1
-    for batch, size in [(1, (192, 256)), (1, (224, 160)), (16, (160, 192)), (3, (256, 192))]:
-        _check_step(model, twin, torch.randn(batch, 3, *size), train=True)
+    for i, (batch, size) in enumerate([(1, (192, 256)), (1, (224, 160)), (16, (160, 192)), (3, (256, 192))]):
+        _check_step(model, twin, torch.randn(batch, 3, *size), train=True, seed=i + 1)
     assert _graphs() == first, f"recompiled for a new batch size: {first} -> {_graphs()} graphs"
+    text = "\n".join(str(gm.graph) for gm in GRAPHS)
+    assert ("bernoulli" in text) == (name == "swin_tiny")  # the drop-path draws are in the graph
+    assert "decomposed_attention_cpu" not in text
+    if name.startswith("mvitv2"):
+        assert "scaled_dot_product_attention" in text
 
 
 def test_the_gpu_code_path_under_bf16_autocast_serves_every_batch_in_one_training_graph(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -167,12 +167,27 @@ def test_sampler_draws_what_torchvisions_draws() -> None:
     assert num_pos[0] == 16 and num_pos[0] + num_neg[0] == 64
 
 
+def _published_heads_on_a_tiny_backbone(torchvision_heads: bool) -> torch.nn.Module:
+    """The published detector's heads (``contenders.PUBLISHED_DETECTOR``: 80 classes, 512 RoIs per
+    image, 256-channel FPN and mask head) on a tiny Swin: the waits and calls counted are the
+    heads', and a Swin-T made the test four times longer."""
+    import contenders
+
+    from vtdense.models.detection import build_detector
+
+    cfg = {**contenders.PUBLISHED_DETECTOR,
+           "backbone_kwargs": dict(embed_dim=16, depths=(1, 1, 2, 1), num_heads=(1, 2, 2, 4), window_size=4)}
+    torch.manual_seed(0)
+    model = build_detector("swin_tiny", "mask_rcnn", **cfg)
+    return host_syncs.torchvision_heads(model) if torchvision_heads else model
+
+
 def test_published_step_waits_a_fifth_as_often() -> None:
     """The counts of ``benchmarks/host_syncs.py`` at a small size: the published heads' training
     step waits 9 times (torchvision's heads: 61, blocking copies of Python data included) and
     launches fewer kernels in the heads."""
-    ours = host_syncs.count_step("vtdense", (128, 192))
-    theirs = host_syncs.count_step("vtdense torchvision-heads", (128, 192))
+    ours = host_syncs.count_step("vtdense", (128, 192), model=_published_heads_on_a_tiny_backbone(False))
+    theirs = host_syncs.count_step("vtdense torchvision-heads", (128, 192), model=_published_heads_on_a_tiny_backbone(True))
     waits = sum(ours["waits"].values())
     assert waits <= 9 and sum(theirs["waits"].values()) >= 45, (ours["wait_ops"], theirs["wait_ops"])
     assert ours["waits"]["rpn"] <= 4 and ours["waits"]["roi_heads"] <= 3

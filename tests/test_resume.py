@@ -2,8 +2,8 @@
 
 Each recipe runs as a subprocess (``OMP_NUM_THREADS=1``, float32, CPU) with ``last.ckpt`` written
 every 2 optimiser steps. One run goes uninterrupted; another is killed with SIGKILL right after a
-mid-epoch checkpoint (or sent SIGTERM, which writes its own checkpoint) and then resumed with
-``--ckpt_path last``. The final weights must be bit-identical and the metrics equal.
+mid-epoch checkpoint (detection), or sent SIGTERM, which writes its own checkpoint (segmentation),
+and is then resumed with ``--ckpt_path last``. The final weights must be bit-identical and the metrics equal.
 """
 
 from __future__ import annotations
@@ -134,12 +134,11 @@ def test_detection_sigkill_mid_epoch_resumes_to_the_same_weights(coco6: Path, tm
     _assert_same(reference, resumed)
 
 
-def test_segmentation_sigkill_and_sigterm_resume_to_the_same_weights(ade6: Path, tmp_path: Path) -> None:
+def test_segmentation_sigterm_resumes_to_the_same_weights(ade6: Path, tmp_path: Path) -> None:
+    """(SIGKILL after a step checkpoint is the detection test's; segmentation takes the signal a
+    cluster sends before it preempts a job.)"""
     reference = tmp_path / "reference"
     _finish(_segmentation_args(ade6, reference), tmp_path / "reference.log")
-    resumed, step = _interrupt_and_resume(_segmentation_args, ade6, tmp_path, signal.SIGKILL)
-    assert step in (2, 4)  # mid-epoch (6 steps an epoch); 4 when the poll comes late
-    _assert_same(reference, resumed)
     # SIGTERM: the process writes last.ckpt at the end of the batch it was in. The signal is sent
     # right after the step-2 checkpoint, so that is step 3, or step 2 itself when it lands between
     # the step checkpoint and the end of that batch (a short window, longer on a loaded machine).
