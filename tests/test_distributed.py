@@ -149,9 +149,15 @@ def test_compile_backbone_under_ddp_and_fsdp_trains_like_eager(coco5: Path, tmp_
     assert fsdp["checksum"] == pytest.approx(run["eager_checksum"], abs=1e-6)
 
 
+#: The shared 2-process segmentation launch: 3 steps under DDP, the same under FSDP2, then the
+#: untrained task validated (what the one-process validation is compared with).
+SHARED_SEGMENTATION = ("--fit_steps", "3", "--strategy", "ddp", "--then_fsdp", "--then_validate_only")
+
+
+@SHARED_RUNS
 def test_segmentation_metrics_two_processes_equal_one(ade5: Path, tmp_path: Path) -> None:
     one = _run(tmp_path, "segmentation", ade5, 1)
-    two = _run(tmp_path, "segmentation", ade5, 2)
+    two = _shared_run(tmp_path, "segmentation", ade5, 2, *SHARED_SEGMENTATION)["validate_only"]
     assert two["world"] == 2 and one["checksum"] == two["checksum"]
     m1, m2 = _numbers(one["metrics"]), _numbers(two["metrics"])
     assert set(m1) == set(m2) and "val/mIoU" in m1
@@ -271,7 +277,7 @@ def test_fsdp_strategy_shards_every_transformer_block(tmp_path: Path) -> None:
 def test_fsdp_training_and_metrics_equal_ddp(ade5: Path, tmp_path: Path) -> None:
     """2 processes, FSDP2 against DDP: the same trained weights and the same metrics (segmentation,
     3 optimiser steps, with BatchNorm in the decoder; the runs the two-node test compares with)."""
-    ddp = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", "ddp", "--then_fsdp")
+    ddp = _shared_run(tmp_path, "segmentation", ade5, 2, *SHARED_SEGMENTATION)
     fsdp = ddp["fsdp"]  # the same run under FSDP2, in the same launch
     assert ddp["dp_size"] is None and fsdp["dp_size"] == 2 and fsdp["sharded"]
     # Relative 1e-6 of a checksum near 1600: the two strategies round differently (sharded against whole
@@ -307,7 +313,7 @@ def test_two_nodes_of_one_process_train_like_one_node_of_two(strategy: str, ade5
     weights one node with 2 processes gives."""
     import socket
 
-    one_node = _shared_run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--strategy", "ddp", "--then_fsdp")["fsdp"]
+    one_node = _shared_run(tmp_path, "segmentation", ade5, 2, *SHARED_SEGMENTATION)["fsdp"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -88,6 +88,9 @@ def main() -> None:
                    help="with --compile_backbone: first fit the same task uncompiled (reported as eager_checksum)")
     p.add_argument("--then_fsdp", action="store_true",
                    help="then do the same run under FSDP2 in these processes (reported under 'fsdp')")
+    p.add_argument("--then_validate_only", action="store_true",
+                   help="then validate the untrained task (no --fit_steps, no --load_weights) under DDP in these "
+                        "processes (reported under 'validate_only')")
     p.add_argument("--root_dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -96,7 +99,7 @@ def main() -> None:
     atexit.register(_record_exit, a.out)
     world = a.devices * a.num_nodes
 
-    def make_trainer(root_dir: str, strategy: str = a.strategy) -> L.Trainer:
+    def make_trainer(root_dir: str, strategy: str = a.strategy, fit_steps: int = a.fit_steps) -> L.Trainer:
         options = dict(accelerator="cpu", strategy=strategy if world > 1 else "auto", precision=a.precision)
         if strategy == "fsdp":
             from vtdense.strategies import trainer_options
@@ -109,25 +112,26 @@ def main() -> None:
             options.update(precision=None, plugins=[MixedPrecision("16-mixed", "cpu")])
         return L.Trainer(
             devices=a.devices, num_nodes=a.num_nodes, **options,
-            default_root_dir=root_dir, max_steps=max(a.fit_steps, 1), num_sanity_val_steps=0,
+            default_root_dir=root_dir, max_steps=max(fit_steps, 1), num_sanity_val_steps=0,
             enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-            limit_val_batches=0 if a.fit_steps else None,
+            limit_val_batches=0 if fit_steps else None,
         )
 
     from torch._dynamo.utils import counters
 
     from vtdense.models.compile import is_compiled
 
-    def run(strategy: str, root_dir: str) -> dict:
-        """Build, (load,) fit and validate the task under ``strategy``; what it reports (collectives: every rank)."""
+    def run(strategy: str, root_dir: str, fit: bool = True) -> dict:
+        """Build, (load,) fit and validate the task under ``strategy`` (``fit=False``: validate the
+        untrained task); what it reports (collectives: every rank)."""
         before = counters["stats"]["unique_graphs"]
         model, dm = build(a.task, a.data, a.compile_backbone or False)
-        trainer = make_trainer(root_dir, strategy)
+        trainer = make_trainer(root_dir, strategy, a.fit_steps if fit else 0)
         if not _RANK:
             _RANK.append(trainer.global_rank)
-        if a.load_weights:
+        if a.load_weights and fit:
             model.load_state_dict(torch.load(a.load_weights, weights_only=True))
-        if a.fit_steps:
+        if a.fit_steps and fit:
             trainer.fit(model, datamodule=dm)
             trainer.limit_val_batches = 1.0
             if a.save_weights and trainer.is_global_zero:
@@ -154,6 +158,8 @@ def main() -> None:
     payload["eager_checksum"] = eager_checksum
     if a.then_fsdp:  # the same again under FSDP2, in these processes (the trainer joins their process group)
         payload["fsdp"] = run("fsdp", str(Path(a.root_dir) / "fsdp"))
+    if a.then_validate_only:  # and the untrained task validated, in these processes again
+        payload["validate_only"] = run("ddp", str(Path(a.root_dir) / "validate_only"), fit=False)
     if payload["global_zero"]:
         Path(a.out).write_text(json.dumps(payload))
 
