@@ -74,7 +74,7 @@ def _assert_windows_are_constants(name: str, graphs: list[torch.fx.GraphModule])
 # (A 16-25 s trace each on 2 CPU cores.) MViTv2 with global attention only is left out: the hybrid
 # model attends globally from stage 2 with the same resampled tables; whole in an SMP model it compiles
 # to one graph with eager's logits in tests/test_checkpoints_smp.py. Swin V1 is left out too: V2's
-# blocks are V1's with cosine attention and Log-CPB added, and V1 compiles to one graph at the same
+# blocks are V1's with cosine attention and Log-CPB added, and V1 compiles to one graph at six of these
 # sizes on the GPU path below and at any size through compile_backbone (tests/test_compile_batch.py).
 @pytest.mark.parametrize("name", ["swinv2_tiny", "mvitv2_tiny-windows"])
 def test_dynamic_compile_does_not_recompile_at_new_sizes(name: str) -> None:
