@@ -112,6 +112,15 @@ def test_miou_equals_hand_computation(tmp_path: Path) -> None:
     palette = color_palette(4)
     np.testing.assert_array_equal(panel[:, 8:], palette[PRED.numpy()])
     np.testing.assert_array_equal(panel[1, 6:8], 0)  # ignored ground truth is black
+    # the test loop scores the same way and writes its own files beside validation's
+    tested = trainer.test(task, dataloaders=loader, verbose=False)[0]
+    assert tested["test/mIoU"] == pytest.approx(by_hand, abs=1e-6)
+    assert tested["test/aAcc"] == pytest.approx(4 / 6, abs=1e-6)
+    assert tested["test/IoU.class_1"] == pytest.approx(2 / 3, abs=1e-6)
+    assert json.loads((Path(trainer.log_dir) / "test_metrics.json").read_text())["mIoU"] == pytest.approx(by_hand, abs=1e-6)
+    assert json.loads((Path(trainer.log_dir) / "metrics.json").read_text()) == out  # validation's file is kept
+    test_panel = np.asarray(Image.open(Path(trainer.log_dir) / "predictions" / "test_000.png"))
+    np.testing.assert_array_equal(test_panel, panel)
 
 
 def test_aacc_is_pooled_over_all_labelled_pixels(tmp_path: Path) -> None:

@@ -6,7 +6,9 @@ AdamW with no weight decay on norms, biases and position tables, optional layer-
 decay, and a per-iteration poly schedule after a linear warmup. Validation reports mIoU
 (torchmetrics ``JaccardIndex``, macro: classes absent from both prediction and ground truth
 are left out, like mmseg), pixel accuracy and per-class IoU, and writes ``metrics.json``
-and colourised predictions beside the ground truth into the run directory.
+and colourised predictions beside the ground truth into the run directory; a test run
+(``trainer.test``, the recipes' ``test`` subcommand) logs ``test/...`` and writes
+``test_metrics.json``.
 """
 
 from __future__ import annotations
@@ -445,6 +447,23 @@ class SegmentationTask(BaseTask):
         Repeats added by the distributed sampler, and samples standing in for an unreadable image
         (see :mod:`vtdense.data.errors`), are skipped, so every image counts once.
         """
+        self._eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        """Log mIoU, pixel accuracy and per-class IoU; write ``metrics.json`` and the visualisations."""
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
+        """Like :meth:`validation_step`, on the datamodule's test loader (for ADE20K its validation
+        split: the test labels are not public)."""
+        self._eval_step(batch)
+
+    def on_test_epoch_end(self) -> None:
+        """Log ``test/mIoU``, ``test/aAcc`` and ``test/IoU.<class>``; write ``test_metrics.json``
+        and ``predictions/test_*.png``."""
+        self._eval_epoch_end("test")
+
+    def _eval_step(self, batch: dict[str, Tensor]) -> None:
         positions = self.eval_positions(batch["image"].shape[0])
         substitute = batch.get("substitute") or [False] * len(positions)
         pairs = self._predict_batch(batch)
@@ -457,8 +476,9 @@ class SegmentationTask(BaseTask):
             if len(self._vis) < self.hparams.num_vis and not self.trainer.sanity_checking:
                 self._vis.append((pos, self._visual(batch["image"][i], batch["image_size"][i], pred, mask)))
 
-    def on_validation_epoch_end(self) -> None:
-        """Log mIoU, pixel accuracy and per-class IoU; write ``metrics.json`` and the visualisations."""
+    def _eval_epoch_end(self, prefix: str) -> None:
+        """Compute, log and write the metrics of the loop that ends (``prefix``: ``val`` or
+        ``test``; the two loops never run at once, so they share the metric states)."""
         # compute() synchronises the metric states across ranks: every rank calls it.
         miou, acc, per_class = self.val_miou.compute(), self.val_acc.compute(), self.val_class_iou.compute()
         self.val_miou.reset()
@@ -467,10 +487,10 @@ class SegmentationTask(BaseTask):
         vis = [v for part in self.gather(self._vis) for v in part]
         self._vis = []
         names = self.class_names
-        logs = {"val/aAcc": acc}
-        logs.update({f"val/IoU.{n}": v for n, v in zip(names, per_class)})
+        logs = {f"{prefix}/aAcc": acc}
+        logs.update({f"{prefix}/IoU.{n}": v for n, v in zip(names, per_class)})
         self.log_dict(logs, batch_size=1, sync_dist=True)
-        self.log("val/mIoU", miou, batch_size=1, prog_bar=True, sync_dist=True)
+        self.log(f"{prefix}/mIoU", miou, batch_size=1, prog_bar=True, sync_dist=True)
         self.last_metrics = {
             "epoch": int(self.current_epoch),
             "step": int(self.global_step),
@@ -479,9 +499,10 @@ class SegmentationTask(BaseTask):
             "per_class_iou": {n: (None if math.isnan(float(v)) else float(v)) for n, v in zip(names, per_class)},
         }
         if self.writes_outputs:
-            self.write_text("metrics.json", json.dumps(self.last_metrics, indent=2) + "\n")
+            stem = "" if prefix == "val" else f"{prefix}_"
+            self.write_text(f"{stem}metrics.json", json.dumps(self.last_metrics, indent=2) + "\n")
             for pos, panel in sorted(vis, key=lambda v: v[0])[: self.hparams.num_vis]:
-                self.write_image(f"predictions/val_{pos:03d}.png", panel)
+                self.write_image(f"predictions/{prefix}_{pos:03d}.png", panel)
             if self.trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING):
                 self.print_class_table()
 
