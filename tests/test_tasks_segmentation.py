@@ -123,6 +123,22 @@ def test_miou_equals_hand_computation(tmp_path: Path) -> None:
     np.testing.assert_array_equal(test_panel, panel)
 
 
+def test_visualisations_go_to_a_logger_that_takes_images(tmp_path: Path) -> None:
+    """As detection's: each panel written to ``predictions/`` is also sent to a TensorBoard-style
+    logger (``add_image``, ``[3, H, W]`` uint8), tagged by split and dataset position."""
+    from tests.test_tasks_detection import _ImageLogger
+
+    task = _task(num_classes=4, aux_weight=0.0)
+    task.forward = lambda image: F.one_hot(PRED, 4).permute(2, 0, 1)[None].float().expand(image.shape[0], -1, -1, -1)
+    logger = _ImageLogger(str(tmp_path))
+    trainer = _trainer(tmp_path, logger=logger)
+    loader = DataLoader([_handmade_batch()], batch_size=None)
+    trainer.validate(task, dataloaders=loader, verbose=False)
+    trainer.test(task, dataloaders=loader, verbose=False)
+    assert logger.images == [("val/pred_000", (3, 2, 12), 0), ("test/pred_000", (3, 2, 12), 0)]
+    assert sorted(p.name for p in (Path(logger.log_dir) / "predictions").glob("*.png")) == ["test_000.png", "val_000.png"]
+
+
 def test_aacc_is_pooled_over_all_labelled_pixels(tmp_path: Path) -> None:
     """aAcc is micro-averaged, as mmseg's: correct pixels / labelled pixels over the whole dataset,
     not a mean of per-image or per-class accuracies. One image has a single labelled pixel (wrong),

@@ -450,7 +450,8 @@ class SegmentationTask(BaseTask):
         self._eval_step(batch)
 
     def on_validation_epoch_end(self) -> None:
-        """Log mIoU, pixel accuracy and per-class IoU; write ``metrics.json`` and the visualisations."""
+        """Log mIoU, pixel accuracy and per-class IoU; write ``metrics.json`` and the visualisations
+        (PNGs in ``predictions/``, and to the logger when it takes images: TensorBoard, W&B)."""
         self._eval_epoch_end("val")
 
     def test_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
@@ -460,7 +461,7 @@ class SegmentationTask(BaseTask):
 
     def on_test_epoch_end(self) -> None:
         """Log ``test/mIoU``, ``test/aAcc`` and ``test/IoU.<class>``; write ``test_metrics.json``
-        and ``predictions/test_*.png``."""
+        and ``predictions/test_*.png`` (also sent to a logger that takes images)."""
         self._eval_epoch_end("test")
 
     def _eval_step(self, batch: dict[str, Tensor]) -> None:
@@ -503,6 +504,7 @@ class SegmentationTask(BaseTask):
             self.write_text(f"{stem}metrics.json", json.dumps(self.last_metrics, indent=2) + "\n")
             for pos, panel in sorted(vis, key=lambda v: v[0])[: self.hparams.num_vis]:
                 self.write_image(f"predictions/{prefix}_{pos:03d}.png", panel)
+                self.log_image(f"{prefix}/pred_{pos:03d}", torch.from_numpy(panel).permute(2, 0, 1))
             if self.trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING):
                 self.print_class_table()
 
