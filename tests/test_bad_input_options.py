@@ -153,6 +153,7 @@ def test_misspelt_option_gets_one_short_error_with_the_closest_name(
         (["--model.weight_decay", "-0.05"], "error: weight_decay must be a number in [0, inf) (option 'weight_decay'), got -0.05"),
         (["predict", "--ckpt_path", "missing.ckpt", "--data.predict_path", "."],
          "error: --ckpt_path: checkpoint not found: missing.ckpt"),
+        (["test", "--ckpt_path", "best.ckpt"], "error: 'test' is not a subcommand of the recipes: 'validate --ckpt_path CKPT'"),
     ],
 )
 def test_bad_option_value_gets_one_line_from_the_script(

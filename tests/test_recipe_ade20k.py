@@ -58,7 +58,8 @@ def tiny_args(tmp_path: Path) -> list[str]:
 
 
 def test_recipe_fast_dev_run(tiny_args: list[str], capsys: pytest.CaptureFixture) -> None:
-    metrics = _recipe().main(tiny_args + ["--trainer.fast_dev_run", "true"])
+    """(With LightningCLI's ``fit`` first: the same as no subcommand.)"""
+    metrics = _recipe().main(["fit", *tiny_args, "--trainer.fast_dev_run", "true"])
     assert 0.0 <= metrics["val/mIoU"] <= 1.0
     assert 0.0 <= metrics["val/aAcc"] <= 1.0
     assert "final metrics" in capsys.readouterr().out

@@ -345,6 +345,15 @@ def choose_config(
     return demo_config
 
 
+#: The first word that names training explicitly, as in LightningCLI (``fit`` or nothing: the recipe trains).
+FIT_WORD = "fit"
+#: LightningCLI subcommands a recipe does not have, and what to run instead.
+_NOT_SUBCOMMANDS = {
+    "test": "'test' is not a subcommand of the recipes: 'validate --ckpt_path CKPT' scores a checkpoint on a labelled "
+            "split (its --data.* options name another split, e.g. a labelled test set); 'predict' runs it on images",
+}
+
+
 def run_recipe(
     task_cls: type[LightningModule],
     datamodule_cls: type[LightningDataModule],
@@ -373,9 +382,15 @@ def run_recipe(
         FileNotFoundError: ``default_config`` does not exist.
 
     A first argument ``predict`` runs :func:`run_predict` instead (``... predict --help``), and
-    ``validate`` :func:`vtdense.cli_validate.run_validate` (a checkpoint scored on a dataset).
+    ``validate`` :func:`vtdense.cli_validate.run_validate` (a checkpoint scored on a dataset); ``fit``
+    (LightningCLI's word) is the default, training; ``test`` is one clear error naming ``validate``.
     """
     argv = sys.argv[1:] if args is None else list(args)
+    if argv and argv[0] == FIT_WORD:  # LightningCLI's name for what the recipe does with no subcommand
+        argv = args = argv[1:]
+    if argv and argv[0] in _NOT_SUBCOMMANDS:
+        with before_run():
+            raise ValueError(_NOT_SUBCOMMANDS[argv[0]])
     if argv and argv[0] == PREDICT_WORD:  # the predict subcommand (see run_predict)
         return run_predict(task_cls, argv[1:], prog=f"{Path(sys.argv[0]).name} {PREDICT_WORD}")
     if argv and argv[0] == VALIDATE_WORD:  # the validate subcommand (see vtdense.cli_validate)
