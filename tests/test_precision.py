@@ -177,6 +177,58 @@ def test_fp16_grad_scaler_skips_overflow_step(coco_small: Path, tmp_path: Path) 
     assert trainer.global_step >= 3  # training went on
 
 
+class _BatchDtypes(L.Callback):
+    """Records what the task receives (after Lightning's precision plugin converted the batch)."""
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, torch.dtype, torch.dtype]] = set()
+        self.eval_boxes: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int) -> None:
+        self.seen.add(("train", batch[0][0].dtype, batch[1][0]["boxes"].dtype))
+
+    def on_validation_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int,
+                                  dataloader_idx: int = 0) -> None:
+        self.seen.add(("val", batch[0][0].dtype, batch[1][0]["orig_boxes"].dtype))
+        self.eval_boxes.append(batch[1][0]["orig_boxes"])
+
+
+def test_bf16_true_trainer_keeps_the_ground_truth_exact(coco_small: Path, tmp_path: Path) -> None:
+    """``--trainer.precision bf16-true`` converts every floating tensor of a batch to bfloat16 before
+    the task sees it: the ground-truth boxes were rounded (to 4 px between 512 and 1024) and mAP was
+    scored against them. The images are converted, the targets keep the loader's float32: training
+    runs (a bf16 model, float32 boxes) and validation scores the exact boxes."""
+    from lightning.pytorch.plugins.precision import HalfPrecision
+
+    from vtdense.tasks.detection import keep_targets_exact
+
+    plugin = HalfPrecision("bf16-true")
+    keep_targets_exact(plugin)
+    keep_targets_exact(plugin)  # once per plugin
+    boxes = torch.tensor([[612.37, 10.25, 900.6, 700.3]])
+    images, targets = plugin.convert_input(([torch.rand(3, 8, 8)], [{"boxes": boxes, "labels": torch.tensor([1])}]))
+    assert images[0].dtype == torch.bfloat16 and targets[0]["boxes"] is boxes
+    assert plugin.convert_input({"image": torch.rand(2)})["image"].dtype == torch.bfloat16  # other batches as before
+
+    torch.manual_seed(0)
+    task = DetectionTask(backbone="swin_tiny", backbone_kwargs=TINY, head="faster_rcnn", num_classes=2, fpn_channels=32,
+                         slim_heads=True, box_head_width=32, rois_per_image=16, warmup_steps=1, score_thresh=0.0)
+    dm = COCODataModule(root=str(coco_small), batch_size=2, num_workers=0, train_scales=[64], max_size=96, test_scale=64)
+    spy = _BatchDtypes()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=2, limit_val_batches=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[spy], default_root_dir=str(tmp_path),
+        precision="bf16-true", num_sanity_val_steps=0,
+    )
+    trainer.fit(task, datamodule=dm)
+    assert next(task.parameters()).dtype == torch.bfloat16 and torch.isfinite(trainer.logged_metrics["train/loss"])
+    trainer.validate(task, datamodule=dm, verbose=False)
+    assert spy.seen == {("train", torch.bfloat16, torch.float32), ("val", torch.bfloat16, torch.float32)}
+    dm.setup("validate")
+    exact = dm.val_dataloader().dataset[0][1]["orig_boxes"]
+    assert torch.equal(spy.eval_boxes[0], exact) and not torch.equal(exact.bfloat16().float(), exact)
+
+
 def _randomise(model: torch.nn.Module, scale: float) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -55,7 +55,7 @@ from vtdense.tasks.optim import (
     warmup_schedule,
 )
 
-__all__ = ["DetectionTask", "LR_SCHEDULES", "METRIC_BACKENDS", "IOU_TYPES", "METRIC_NAMES"]
+__all__ = ["DetectionTask", "LR_SCHEDULES", "METRIC_BACKENDS", "IOU_TYPES", "METRIC_NAMES", "keep_targets_exact"]
 
 #: ``lr_schedule`` choice -> ``warmup_schedule`` kind.
 LR_SCHEDULES: dict[str, str] = {"step": "step", "cosine": "cosine", "poly": "poly", "constant": "constant"}
@@ -141,6 +141,48 @@ def _rle_encode(masks: Tensor) -> list[dict[str, Any]]:
     for rle in rles:
         rle["counts"] = rle["counts"].decode("ascii")
     return rles
+
+
+def _is_detection_batch(data: Any) -> bool:
+    """``(images, targets)`` with one mapping per image: what the COCO datamodule's loaders give."""
+    return (isinstance(data, (tuple, list)) and len(data) == 2 and isinstance(data[1], (list, tuple))
+            and all(isinstance(t, Mapping) for t in data[1]))
+
+
+def _narrowed(before: Mapping[str, Any], after: Mapping[str, Any]) -> bool:
+    """Whether a floating tensor of ``before`` came out of a conversion with fewer bytes per element."""
+    for key, old in before.items():
+        new = after.get(key)
+        if isinstance(old, Tensor) and isinstance(new, Tensor) and new.is_floating_point():
+            if new.element_size() < old.element_size():
+                return True
+    return False
+
+
+def keep_targets_exact(plugin: Any) -> None:
+    """Make Lightning's precision ``plugin`` leave a detection batch's targets in their own dtypes
+    when it would convert them to half precision.
+
+    ``--trainer.precision bf16-true`` (or ``16-true``) converts every floating tensor of a batch to
+    that dtype before the task sees it, the ground truth included: box coordinates rounded to 4 px
+    between 512 and 1024 in bfloat16, and the boxes and areas the validation scores against with
+    them, so mAP is measured against moved boxes. The images are still converted (the model runs
+    in that dtype); the targets keep float32 (the heads take float32 boxes with half-precision
+    maps, see :mod:`vtdense.models.roi_pool`). A lossless conversion (``64-true``) is kept whole.
+    Installed once per plugin (the task calls it at ``setup``)."""
+    convert = getattr(plugin, "convert_input", None)
+    if convert is None or getattr(convert, "_vtdense_keeps_targets", False):
+        return
+
+    def convert_input(data: Any) -> Any:
+        out = convert(data)
+        if _is_detection_batch(data) and _is_detection_batch(out) and any(
+                _narrowed(before, after) for before, after in zip(data[1], out[1])):
+            return type(out)((out[0], data[1]))  # the images converted, the targets as the loader made them
+        return out
+
+    convert_input._vtdense_keeps_targets = True  # type: ignore[attr-defined]
+    plugin.convert_input = convert_input
 
 
 class DetectionTask(BaseTask):
@@ -398,6 +440,8 @@ class DetectionTask(BaseTask):
     def setup(self, stage: str) -> None:
         """Take ``num_classes`` and the category id / name tables from the datamodule."""
         super().setup(stage)
+        if self._trainer is not None:
+            keep_targets_exact(self._trainer.precision_plugin)
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         if self.hparams["num_classes"] is None:
             n = getattr(dm, "num_classes", None)
