@@ -7,8 +7,7 @@ decay, and a per-iteration poly schedule after a linear warmup. Validation repor
 (torchmetrics ``JaccardIndex``, macro: classes absent from both prediction and ground truth
 are left out, like mmseg), pixel accuracy and per-class IoU, and writes ``metrics.json``
 and colourised predictions beside the ground truth into the run directory; a test run
-(``trainer.test``, the recipes' ``test`` subcommand) logs ``test/...`` and writes
-``test_metrics.json``.
+(``trainer.test``) logs ``test/...`` and writes ``test_metrics.json``.
 """
 
 from __future__ import annotations
