@@ -201,8 +201,21 @@ def test_segmentation_checkpoint_scores_as_its_fit_did(tmp_path: Path, capsys: p
     per_class = json.loads((run / "metrics.json").read_text())["per_class_iou"]  # the task's own table, kept
     assert saved["per_class_iou"] == pytest.approx(per_class, nan_ok=True) and len(per_class) == 8
 
-    # data whose classes.txt names the classes otherwise: one error naming the index and both names
+    # multi-scale + flip test-time augmentation from the command line: validate scores it, and predict
+    # with the same options writes the label maps that give validate's mIoU
+    tta = ["--data.eval_ratios=[0.75, 1.25]", "--data.eval_flip=true"]
+    scored = recipe.main(["validate", f"--ckpt_path={best}", f"--output={tmp_path / 'tta'}", "--progress_bar=false", *tta])
+    used = json.loads((tmp_path / "tta" / "metrics.json").read_text())["data"]
+    assert used["eval_ratios"] == [0.75, 1.25] and used["eval_flip"] is True
     root = Path(saved["data"]["root"])
+    recipe.main(["predict", f"--ckpt_path={best}", f"--data.predict_path={root / 'images' / 'validation'}",
+                 f"--output={tmp_path / 'pred'}", "--progress_bar=false", "--data.num_workers=0", *tta])
+    _check_label_maps_score(tmp_path / "pred", root, scored["val/mIoU"], len(per_class))
+    with pytest.raises(ValueError, match=r"--data\.eval_ratios must be a non-empty list"):
+        recipe.main(["predict", f"--ckpt_path={best}", f"--data.predict_path={root / 'images' / 'validation'}",
+                     "--data.eval_ratios=[0]"])
+
+    # data whose classes.txt names the classes otherwise: one error naming the index and both names
     other = tmp_path / "other"
     shutil.copytree(root, other)
     names = (other / "classes.txt").read_text().split("\n")
@@ -211,6 +224,25 @@ def test_segmentation_checkpoint_scores_as_its_fit_did(tmp_path: Path, capsys: p
         recipe.main(["validate", f"--ckpt_path={best}", f"--data.root={other}", f"--output={tmp_path / 'x'}"])
     assert getattr(info.value, "vtdense_before_run", False)
     assert not (tmp_path / "x").exists()
+
+
+def _check_label_maps_score(out: Path, root: Path, miou: float, num_classes: int) -> None:
+    """The label PNGs ``predict`` wrote into ``out`` score ``miou`` against the validation labels (ADE20K's
+    ``reduce_zero_label``: 0 is ignored, ``k`` is class ``k - 1``)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from torchmetrics.classification import MulticlassJaccardIndex
+
+    metric = MulticlassJaccardIndex(num_classes=num_classes, ignore_index=255, average="macro")
+    labels = sorted((root / "annotations" / "validation").glob("*.png"))
+    assert labels
+    for ann in labels:
+        gt = torch.from_numpy(np.array(Image.open(ann)).astype(np.int64))
+        gt = torch.where(gt == 0, 255, gt - 1)
+        pred = torch.from_numpy(np.array(Image.open(out / "labels" / ann.name)).astype(np.int64))
+        metric.update(pred, gt)
+    assert float(metric.compute()) == pytest.approx(miou, abs=1e-6)
 
 
 def test_predict_from_a_coco_file_writes_the_results_validate_scores(det_run: dict, tmp_path: Path) -> None:

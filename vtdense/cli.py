@@ -519,6 +519,11 @@ def predict_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "such as 128 bounds the distinct shapes of images of many sizes")
     p.add_argument("--data.eval_scale", dest="eval_scale", type=_yaml_value, default=None,
                    help="segmentation: (long, short) resize, e.g. '[2048, 512]' (default: the checkpoint's)")
+    p.add_argument("--data.eval_ratios", dest="eval_ratios", type=_yaml_value, default=None,
+                   help="segmentation: multi-scale test-time augmentation, multiples of the resize, e.g. "
+                   "'[0.5, 0.75, 1.0, 1.25, 1.5, 1.75]' (default: the checkpoint's validation setting)")
+    p.add_argument("--data.eval_flip", dest="eval_flip", type=_yaml_value, default=None,
+                   help="segmentation: true adds horizontally flipped views (default: the checkpoint's)")
     p.add_argument("--compile_backbone", type=_yaml_value, default=False,
                    help="torch.compile the backbone for all image sizes: false (default, even for a checkpoint trained "
                    "compiled), true (inductor) or a backend name; pays off on a GPU over many images")
@@ -552,6 +557,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
 
     from torch.utils.data import DataLoader
 
+    from vtdense.data.ade20k import check_eval_ratios
     from vtdense.data.coco import category_tables
     from vtdense.data.predict import (
         PredictImages,
@@ -592,7 +598,8 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
             if coco_categories:  # its category ids must be the ones the model predicts
                 task.check_data_fits(category_tables(coco_categories), ns.ckpt_path)
 
-        given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale") if getattr(ns, k) is not None}
+        given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale", "eval_ratios", "eval_flip")
+                 if getattr(ns, k) is not None}
         accepted = inspect.signature(task.predict_transform).parameters
         wrong = [f"--data.{k}" for k in given if k not in accepted]
         if wrong:
@@ -602,6 +609,10 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
                 raise ValueError(f"--data.{k} must be a positive int, got {given[k]}")
         if "eval_scale" in given:
             check_eval_scale(given["eval_scale"], "--data.eval_scale")
+        if "eval_ratios" in given:
+            check_eval_ratios(given["eval_ratios"], "--data.eval_ratios")
+        if "eval_flip" in given and not isinstance(given["eval_flip"], bool):
+            raise ValueError(f"--data.eval_flip must be true or false, got {given['eval_flip']!r}")
         has_threshold = hasattr(task, "score_threshold")
         if ns.score_thresh is not None and not has_threshold:
             raise ValueError(f"--score_thresh does not apply to a {type(task).__name__} checkpoint")
@@ -626,7 +637,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
         if ns.size_divisibility is not None:
             info["size_divisibility"] = ns.size_divisibility
         info["preprocessing"] = {k: v for k, v in (task.datamodule_hparams or {}).items()
-                                 if k in ("test_scale", "max_size", "scale", "eval_scale")} | given
+                                 if k in ("test_scale", "max_size", "scale", "eval_scale", "eval_ratios", "eval_flip")} | given
         writer = PredictionWriter(out_dir, info)
         trainer = Trainer(
             accelerator=DEVICES[ns.device],

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import random
 from collections.abc import Callable, Sequence
@@ -48,6 +49,8 @@ __all__ = [
     "SegmentationFolder",
     "SegTrainTransform",
     "SegEvalTransform",
+    "check_eval_ratios",
+    "view_size",
     "seg_collate",
     "default_ade20k_root",
     "synthetic_cache_dir",
@@ -285,21 +288,86 @@ class SegTrainTransform:
         return {"image": image, "mask": mask, "image_size": (bh, bw)}
 
 
+def check_eval_ratios(ratios: Any, option: str = "eval_ratios") -> tuple[float, ...] | None:
+    """``ratios`` as a tuple of positive finite floats, or ``None`` (one scale).
+
+    Raises:
+        ValueError: ``ratios`` is not a non-empty list of positive numbers; one message naming
+            ``option`` and the value.
+    """
+    if ratios is None:
+        return None
+    ok = (
+        isinstance(ratios, Sequence)
+        and not isinstance(ratios, (str, bytes))
+        and len(ratios) > 0
+        and all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in ratios)
+    )
+    if not ok:
+        raise ValueError(f"{option} must be a non-empty list of positive numbers, e.g. [0.5, 0.75, 1.0, 1.25, 1.5, "
+                         f"1.75], or null, got {ratios!r}")
+    return tuple(float(r) for r in ratios)
+
+
+def view_size(h: int, w: int, scale: Sequence[int] | None, ratio: float = 1.0) -> tuple[int, int]:
+    """Size of an ``h x w`` image resized for evaluation at ``ratio`` of ``scale``, as mmseg's
+    ``MultiScaleFlipAug`` + ``Resize(keep_ratio=True)``: the scale is multiplied and truncated,
+    ``(int(long * ratio), int(short * ratio))``, then the image fitted into it; with ``scale=None``
+    the image itself is rescaled by ``ratio`` (``int(side * ratio + 0.5)``)."""
+    if scale is None:
+        return max(1, int(h * ratio + 0.5)), max(1, int(w * ratio + 0.5))
+    return _rescale_size(h, w, [int(s * ratio) for s in scale])
+
+
 class SegEvalTransform:
-    """Evaluation transform: keep-ratio resize of the image to ``scale``, label map untouched.
+    """Evaluation transform: keep-ratio resize of the image to ``scale``, label map untouched;
+    with ``ratios`` or ``flip``, also the multi-scale and flipped views of test-time augmentation.
 
     Args:
         scale: (long, short) target of the rescale; ``None`` keeps the image size.
+        ratios: test-time scales, multiples of ``scale`` (mmseg's ``img_ratios``, e.g.
+            ``(0.5, 0.75, 1.0, 1.25, 1.5, 1.75)``); ``None``: one scale.
+        flip: also a horizontally flipped view of each scale.
+
+    With one scale and no flip the sample is one image. Otherwise ``image`` is the unflipped view
+    nearest ratio 1 and ``views`` lists the others in mmseg's order (by ratio; unflipped, then
+    flipped), each ``{"image", "image_size", "flip"}``; the task averages the softmax of all views
+    at the label's size, flipped views flipped back (:func:`vtdense.tasks.segmentation.merge_views`).
     """
 
-    def __init__(self, scale: Sequence[int] | None = (2048, 512)) -> None:
+    def __init__(self, scale: Sequence[int] | None = (2048, 512), ratios: Sequence[float] | None = None,
+                 flip: bool = False) -> None:
         self.scale = tuple(scale) if scale is not None else None
+        self.ratios = check_eval_ratios(ratios, "ratios") or (1.0,)
+        self.flip = bool(flip)
+        specs = [(r, f) for r in self.ratios for f in ((False, True) if self.flip else (False,))]
+        base = min(range(len(specs)), key=lambda i: (abs(math.log(specs[i][0])), i))
+        #: (ratio, flip) of every view, the one given as ``image`` first
+        self.specs: list[tuple[float, bool]] = [specs[base]] + specs[:base] + specs[base + 1 :]
+
+    @property
+    def long_side(self) -> int | None:
+        """Longest model input side over the views (``None`` without a scale)."""
+        return None if self.scale is None else int(max(self.scale) * max(self.ratios))
+
+    def resize(self, image: Tensor, ratio: float = 1.0) -> Tensor:
+        """uint8 ``[3, H, W]`` -> float ``[3, h, w]`` in ``[0, 1]`` at ``ratio`` of the scale."""
+        if self.scale is not None or ratio != 1.0:
+            image, _ = _resize(image, None, view_size(image.shape[1], image.shape[2], self.scale, ratio))
+        return image.float() / 255
 
     def __call__(self, image: Tensor, mask: Tensor) -> dict[str, Any]:
-        """Returns ``{"image", "mask" (original size), "image_size" (resized image h, w)}``."""
-        if self.scale is not None:
-            image, _ = _resize(image, None, _rescale_size(image.shape[1], image.shape[2], self.scale))
-        return {"image": image.float() / 255, "mask": mask, "image_size": tuple(image.shape[-2:])}
+        """Returns ``{"image", "mask" (original size), "image_size" (resized image h, w)}`` and,
+        with several views, ``views``."""
+        resized: dict[float, Tensor] = {}
+        views = []
+        for ratio, flip in self.specs:
+            if ratio not in resized:
+                resized[ratio] = self.resize(image, ratio)
+            view = resized[ratio].flip(-1) if flip else resized[ratio]
+            views.append({"image": view, "image_size": tuple(view.shape[-2:]), "flip": flip})
+        out = {"image": views[0]["image"], "mask": mask, "image_size": views[0]["image_size"]}
+        return out | ({"views": views[1:]} if len(views) > 1 else {})
 
 
 def seg_collate(samples: list[dict[str, Any]], ignore_index: int = IGNORE_INDEX) -> dict[str, Any]:
@@ -307,7 +375,9 @@ def seg_collate(samples: list[dict[str, Any]], ignore_index: int = IGNORE_INDEX)
 
     Returns:
         ``{"image": N3HW float, "mask": NHW int64, "image_size": N2 int64, "mask_size": N2 int64,
-        "files": [N file names]}`` (``files`` only when the samples name their file).
+        "files": [N file names]}`` (``files`` only when the samples name their file), and with
+        test-time views (:class:`SegEvalTransform`) ``views``: per view ``{"image": N3HW,
+        "image_size": N2, "flip": bool}``, each padded on its own.
     """
     ih = max(s["image"].shape[-2] for s in samples)
     iw = max(s["image"].shape[-1] for s in samples)
@@ -322,12 +392,23 @@ def seg_collate(samples: list[dict[str, Any]], ignore_index: int = IGNORE_INDEX)
             for s in samples
         ]
     )
+    views = []
+    for k in range(len(samples[0].get("views", ()))):  # each test-time view padded on its own
+        ims = [s["views"][k]["image"] for s in samples]
+        vh, vw = max(im.shape[-2] for im in ims), max(im.shape[-1] for im in ims)
+        views.append({
+            "image": torch.stack([F.pad(im, (0, vw - im.shape[-1], 0, vh - im.shape[-2])) for im in ims]),
+            "image_size": torch.tensor([list(s["views"][k]["image_size"]) for s in samples], dtype=torch.long),
+            "flip": bool(samples[0]["views"][k]["flip"]),
+        })
     return {
         "image": images,
         "mask": masks,
         "image_size": torch.tensor([list(s["image_size"]) for s in samples], dtype=torch.long),
         "mask_size": torch.tensor([list(s["mask"].shape[-2:]) for s in samples], dtype=torch.long),
-    } | ({"files": [s["file"] for s in samples]} if all("file" in s for s in samples) else {}) | (
+    } | ({"views": views} if views else {}) | (
+        {"files": [s["file"] for s in samples]} if all("file" in s for s in samples) else {}
+    ) | (
         {"substitute": [bool(s.get("substitute")) for s in samples]} if any("substitute" in s for s in samples) else {}
     )
 
@@ -374,6 +455,11 @@ class ADE20KDataModule(L.LightningDataModule):
         flip_prob: horizontal flip probability.
         photometric: mmseg's photometric distortion on/off (see :class:`SegTrainTransform`).
         eval_scale: evaluation rescale target (long, short); ``None`` means ``scale``.
+        eval_ratios: multi-scale test-time augmentation in validation and test: the image is
+            also evaluated at these multiples of ``eval_scale`` and the class probabilities are
+            averaged, as mmseg's ``MultiScaleFlipAug`` (the published "ms" results use
+            ``[0.5, 0.75, 1.0, 1.25, 1.5, 1.75]``); ``None``: one scale.
+        eval_flip: test-time augmentation with horizontally flipped views too ("flip").
         train_split / val_split: split folder names.
         img_dir / ann_dir: folder templates relative to ``root`` (``{split}`` substituted).
         ignore_index: label of ignored pixels.
@@ -396,6 +482,8 @@ class ADE20KDataModule(L.LightningDataModule):
         flip_prob: float = 0.5,
         photometric: bool = True,
         eval_scale: tuple[int, int] | None = None,
+        eval_ratios: list[float] | None = None,
+        eval_flip: bool = False,
         train_split: str = "training",
         val_split: str = "validation",
         img_dir: str = "images/{split}",
@@ -409,6 +497,9 @@ class ADE20KDataModule(L.LightningDataModule):
             raise ValueError(f"ADE20KDataModule: num_classes must be >= 1, got {num_classes}")
         if len(crop_size) != 2 or min(crop_size) < 1:
             raise ValueError(f"ADE20KDataModule: crop_size must be (h, w) with positive sizes, got {crop_size}")
+        check_eval_ratios(eval_ratios, "ADE20KDataModule: eval_ratios")
+        if not isinstance(eval_flip, bool):
+            raise ValueError(f"ADE20KDataModule: eval_flip must be true or false, got {eval_flip!r}")
         self.save_hyperparameters()
         self.root_arg = root
         self._num_classes = num_classes
@@ -419,7 +510,7 @@ class ADE20KDataModule(L.LightningDataModule):
         self.train_transform = SegTrainTransform(
             scale, ratio_range, crop_size, cat_max_ratio, flip_prob, photometric, ignore_index
         )
-        self.eval_transform = SegEvalTransform(eval_scale if eval_scale is not None else scale)
+        self.eval_transform = SegEvalTransform(eval_scale if eval_scale is not None else scale, eval_ratios, eval_flip)
         self._root: Path | None = None
         self.train_dataset: SegmentationFolder | None = None
         self.val_dataset: SegmentationFolder | None = None

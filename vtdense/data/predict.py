@@ -227,27 +227,36 @@ def check_eval_scale(scale: Any, option: str = "eval_scale") -> tuple[int, ...]:
     return tuple(int(s) for s in scale)
 
 
-def segmentation_predict_transform(scale: Sequence[int] | None = (2048, 512)) -> Callable[[Tensor], Tensor]:
-    """The segmentation validation resize (keep-ratio fit into ``scale`` = (long, short); ``None``: none).
+def segmentation_predict_transform(
+    scale: Sequence[int] | None = (2048, 512), ratios: Sequence[float] | None = None, flip: bool = False
+) -> Callable[[Tensor], Any]:
+    """The segmentation validation resize (keep-ratio fit into ``scale`` = (long, short); ``None``: none),
+    with the test-time views of ``ratios`` and ``flip`` (:class:`~vtdense.data.ade20k.SegEvalTransform`).
 
     Returns:
         A function from a ``[3, H, W]`` uint8 (0..255) or float (0..1) tensor to the float32
-        ``[3, h, w]`` model input in 0..1 (exactly :class:`~vtdense.data.ade20k.SegEvalTransform`).
+        ``[3, h, w]`` model input in 0..1 (exactly :class:`~vtdense.data.ade20k.SegEvalTransform`);
+        with several views, to ``(image, {"views": [{"image", "flip"}, ...]})``, whose second part
+        :class:`PredictImages` puts into the target.
 
     Raises:
-        ValueError: ``scale`` is not one or two positive ints (:func:`check_eval_scale`).
+        ValueError: ``scale`` is not one or two positive ints (:func:`check_eval_scale`), or
+            ``ratios`` not a list of positive numbers.
     """
     scale = None if scale is None else check_eval_scale(scale, "scale")
-    transform = SegEvalTransform(scale)
+    transform = SegEvalTransform(scale, ratios, flip)
 
-    def apply(image: Tensor) -> Tensor:
+    def apply(image: Tensor) -> Any:
         image = _as_image_tensor(image)
         if image.is_floating_point():  # the transform divides by 255
             image = image.float() * 255
-        return transform(image, None)["image"].float()
+        out = transform(image, None)
+        if "views" not in out:
+            return out["image"].float()
+        return out["image"].float(), {"views": [{"image": v["image"].float(), "flip": v["flip"]} for v in out["views"]]}
 
     if scale is not None:
-        apply.model_long_side = max(scale)  # type: ignore[attr-defined]  # read by PredictImages
+        apply.model_long_side = transform.long_side  # type: ignore[attr-defined]  # read by PredictImages
     return apply
 
 
@@ -307,7 +316,8 @@ class PredictImages(Dataset):
         sources: :class:`ImageFile` items from :func:`list_images`, plain paths, or tensors
             ``[3, H, W]`` uint8 / float 0..1, mixed freely.
         transform: The task's preprocessing, a function ``[3, H, W] -> float [3, h, w]``
-            (:func:`detection_predict_transform`, :func:`segmentation_predict_transform`).
+            (:func:`detection_predict_transform`, :func:`segmentation_predict_transform`), or to
+            ``(image, extras)``, whose ``extras`` dict is added to the target.
         max_decode_side: Files with a longer side are decoded reduced (long side still at least
             this, and at least the model input's longest side where the transform bounds it, as
             the two above do); ``orig_size`` stays the full size.
@@ -355,7 +365,10 @@ class PredictImages(Dataset):
                 return None  # type: ignore[return-value]
             pixels, orig, path = TF.pil_to_tensor(decoded.image), decoded.full_size, str(src)
         image = self.transform(pixels)
-        target = {"orig_size": orig, "file_name": file_name, "name": name, "path": path, "index": index}
+        extra: dict[str, Any] = {}
+        if isinstance(image, tuple):  # the model input and what else the task reads (test-time views)
+            image, extra = image
+        target = {"orig_size": orig, "file_name": file_name, "name": name, "path": path, "index": index} | extra
         if image_id is not None:
             target["image_id"] = image_id
         return image, target

@@ -568,18 +568,20 @@ class BaseTask(LightningModule):
         return load_task_checkpoint(cls, path, map_location=map_location, **overrides)
 
     def predict_images(
-        self, images: Any, *, batch_size: int = 1, bf16: bool = False, num_workers: int = 0
+        self, images: Any, *, batch_size: int = 1, bf16: bool = False, num_workers: int = 0, **transform_options: Any
     ) -> list[dict[str, Any]]:
         """Predict on image files, folders, globs or ``[3, H, W]`` tensors (uint8, or float 0..1).
 
         Returns one dict per image (``predict_step``'s, original coordinates, with class names and
         ``path``), on the CPU. Runs on the task's device under ``torch.inference_mode``; ``bf16``
         adds bfloat16 autocast. Bad input (a missing path, a non-image file, an empty folder)
-        raises before the model runs.
+        raises before the model runs. ``transform_options`` go to :meth:`predict_transform`
+        (``None`` values: the checkpoint's).
         """
         from vtdense.tasks.predict import predict_images
 
-        return predict_images(self, images, batch_size=batch_size, bf16=bf16, num_workers=num_workers)
+        transform = self.predict_transform(**{k: v for k, v in transform_options.items() if v is not None})
+        return predict_images(self, images, batch_size=batch_size, bf16=bf16, num_workers=num_workers, transform=transform)
 
     def predict_transform(self, **overrides: Any) -> Any:
         """Preprocessing of one ``[3, H, W]`` image for prediction (the validation resize)."""

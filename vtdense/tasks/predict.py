@@ -172,11 +172,12 @@ def predict_images(
     batch_size: int = 1,
     bf16: bool = False,
     num_workers: int = 0,
+    transform: Any = None,
 ) -> list[dict[str, Any]]:
     """Run ``task.predict_step`` over images on the task's device, under ``torch.inference_mode``.
 
-    Images are preprocessed by ``task.predict_transform()`` (validation's resize) and batched as
-    lists of different sizes. Each result is ``predict_step``'s dict in original image coordinates,
+    Images are preprocessed by ``transform`` (default ``task.predict_transform()``: validation's
+    resize) and batched as lists of different sizes. Each result is ``predict_step``'s dict in original image coordinates,
     completed by ``task.name_prediction`` (class names) and with ``path`` (the file, ``None`` for a
     tensor). ``bf16`` runs the model under bfloat16 autocast; outputs stay float32 / int64 / bool.
     A file that cannot be decoded (truncated, corrupt) is skipped with a warning naming it, and a
@@ -184,7 +185,7 @@ def predict_images(
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    dataset = PredictImages(expand_sources(images), task.predict_transform())
+    dataset = PredictImages(expand_sources(images), task.predict_transform() if transform is None else transform)
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, collate_fn=collate_predict)
     device = task.device
     was_training = task.training

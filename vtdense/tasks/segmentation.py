@@ -53,7 +53,7 @@ from vtdense.tasks.optim import (
 
 _logger = logging.getLogger(__name__)
 
-__all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table", "resize_logits"]
+__all__ = ["SegmentationTask", "layer_ids", "color_palette", "format_class_table", "resize_logits", "merge_views", "view_probs"]
 
 _BACKBONE_PREFIX = "model.encoder.backbone."
 #: How the cross-entropy is averaged: over every pixel of the batch, ignored ones included
@@ -427,8 +427,47 @@ class SegmentationTask(BaseTask):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------- validation
+    def view_logits(self, views: Sequence[tuple[Tensor, Any, bool]]) -> list[list[tuple[Tensor, bool]]]:
+        """Logits of test-time views (see :func:`merge_views`), per image.
+
+        Args:
+            views: per view ``(images (N, C, H, W) in [0, 1], their N sizes (h, w) before the
+                batch's padding, flipped)``.
+
+        Returns:
+            Per image, per view: ``(logits [num_classes, h, w] cropped to that image's extent,
+            flipped)``.
+        """
+        per_image: list[list[tuple[Tensor, bool]]] = [[] for _ in range(views[0][0].shape[0])]
+        for x, sizes, flipped in views:
+            logits = self(self.fill_padding(x, sizes))
+            for i, (h, w) in enumerate(sizes):
+                per_image[i].append((logits[i, :, : int(h), : int(w)], bool(flipped)))
+        return per_image
+
+    @staticmethod
+    def batch_views(batch: Mapping[str, Any]) -> list[tuple[Tensor, Any, bool]]:
+        """An evaluation batch's views for :meth:`view_logits`: the image, then ``views``
+        (test-time augmentation, :class:`~vtdense.data.ade20k.SegEvalTransform`)."""
+        return [(batch["image"], batch["image_size"], False)] + [
+            (v["image"], v["image_size"], bool(v["flip"])) for v in batch.get("views", ())
+        ]
+
     def _predict_batch(self, batch: dict[str, Tensor]) -> list[tuple[Tensor, Tensor]]:
-        """Per image: (prediction at the label size, label) with padding removed."""
+        """Per image: (prediction at the label size, label) with padding removed; with test-time
+        views, the class of the views' mean softmax (:func:`merge_views`)."""
+        if batch.get("views"):
+            # as mmseg's aug_test: one view at a time, its probabilities summed at the label's size
+            out_sizes = [tuple(int(v) for v in s) for s in batch["mask_size"]]
+            views = self.batch_views(batch)
+            total: list[Tensor | None] = [None] * len(out_sizes)
+            for x, sizes, flipped in views:
+                logits = self(self.fill_padding(x, sizes))
+                for i, ((h, w), (mh, mw)) in enumerate(zip(sizes.tolist(), out_sizes)):
+                    p = view_probs(logits[i, :, :h, :w], flipped, 0, mh, (mh, mw))
+                    total[i] = p if total[i] is None else total[i].add_(p)
+            return [((t / len(views)).argmax(0), batch["mask"][i, :mh, :mw])
+                    for i, (t, (mh, mw)) in enumerate(zip(total, out_sizes))]
         logits = self(self.fill_padding(batch["image"], batch["image_size"]))
         pairs = []
         for i in range(logits.shape[0]):
@@ -630,20 +669,33 @@ class SegmentationTask(BaseTask):
         _logger.info("dropped %d weights of backbone stages encoder_depth=%s does not read (%s, ...)",
                      len(unbuilt), self.hparams.encoder_depth, unbuilt[0])
 
-    def predict_transform(self, eval_scale: Sequence[int] | None = None) -> Any:
-        """Validation's resize: ``eval_scale`` (else ``scale``) from the checkpoint's datamodule unless given.
+    def predict_transform(
+        self,
+        eval_scale: Sequence[int] | None = None,
+        eval_ratios: Sequence[float] | None = None,
+        eval_flip: bool | None = None,
+    ) -> Any:
+        """Validation's resize and test-time views: ``eval_scale`` (else ``scale``), ``eval_ratios``
+        and ``eval_flip`` from the checkpoint's datamodule unless given.
 
         Raises:
-            ValueError: ``eval_scale`` is not one or two positive ints (long, short); raised here,
-                before any image is read or the model runs.
+            ValueError: ``eval_scale`` is not one or two positive ints (long, short), or
+                ``eval_ratios`` not a list of positive numbers; raised here, before any image is
+                read or the model runs.
         """
+        from vtdense.data.ade20k import check_eval_ratios
         from vtdense.data.predict import check_eval_scale, segmentation_predict_transform
 
-        if eval_scale is not None:
-            return segmentation_predict_transform(check_eval_scale(eval_scale, "eval_scale"))
         dm = self.datamodule_hparams or {}
-        scale = dm.get("eval_scale") or dm.get("scale") or (2048, 512)
-        return segmentation_predict_transform(tuple(int(v) for v in scale))
+        if eval_scale is not None:
+            scale = check_eval_scale(eval_scale, "eval_scale")
+        else:
+            scale = tuple(int(v) for v in dm.get("eval_scale") or dm.get("scale") or (2048, 512))
+        ratios = check_eval_ratios(eval_ratios if eval_ratios is not None else dm.get("eval_ratios"), "eval_ratios")
+        flip = bool(dm.get("eval_flip", False)) if eval_flip is None else eval_flip
+        if not isinstance(flip, bool):
+            raise ValueError(f"eval_flip must be true or false, got {flip!r}")
+        return segmentation_predict_transform(scale, ratios, flip)
 
     def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> list[dict[str, Tensor]]:
         """Per image: ``label_map`` int64 ``[H0, W0]`` at the original size (and ``probs`` float32
@@ -652,11 +704,12 @@ class SegmentationTask(BaseTask):
         ``batch`` is ``(images, targets)`` (lists; targets give ``orig_size``; sizes may differ),
         a list of ``[3, h, w]`` images in 0..1, or an evaluation batch of
         :class:`~vtdense.data.ade20k.ADE20KDataModule` (predictions at the label maps' size).
-        Logits are resized to the original size in row strips, never all at once.
+        Logits are resized to the original size in row strips, never all at once. With test-time
+        views (``views`` in the targets or the batch; ``eval_ratios`` / ``eval_flip``), the class
+        is that of the views' mean softmax (:func:`merge_views`).
         """
         if isinstance(batch, Mapping):
-            x = batch["image"]
-            in_sizes = [tuple(int(v) for v in s) for s in batch["image_size"]]
+            views = self.batch_views(batch)
             out_sizes = [tuple(int(v) for v in s) for s in batch["mask_size"]]
         else:
             if isinstance(batch, (tuple, list)) and len(batch) == 2 and isinstance(batch[1], (tuple, list)) and (
@@ -667,17 +720,25 @@ class SegmentationTask(BaseTask):
                 images, targets = list(batch), [None] * len(batch)
             if not images:  # every image of the batch was skipped (undecodable files)
                 return []
-            in_sizes = [(int(im.shape[-2]), int(im.shape[-1])) for im in images]
             out_sizes = [
-                tuple(int(v) for v in t["orig_size"]) if t is not None and "orig_size" in t else s
-                for t, s in zip(targets, in_sizes)
+                tuple(int(v) for v in t["orig_size"]) if t is not None and "orig_size" in t else tuple(im.shape[-2:])
+                for t, im in zip(targets, images)
             ]
-            hh, ww = max(s[0] for s in in_sizes), max(s[1] for s in in_sizes)
-            x = torch.stack([F.pad(im, (0, ww - im.shape[-1], 0, hh - im.shape[-2])) for im in images])
-        logits = self(self.fill_padding(x, in_sizes))
+            per_view = [[(im, False) for im in images]]  # test-time views come in the targets
+            extra = [t.get("views", ()) if t is not None else () for t in targets]
+            for k in range(len(extra[0])):
+                per_view.append([(ex[k]["image"].to(images[0].device), bool(ex[k]["flip"])) for ex in extra])
+            views = [(_pad_stack([im for im, _ in v]), [tuple(im.shape[-2:]) for im, _ in v], v[0][1]) for v in per_view]
         out = []
+        if len(views) > 1:
+            for crops, size in zip(self.view_logits(views), out_sizes):
+                label, probs = merge_views(crops, size, with_probs=self.predict_probs)
+                out.append({"label_map": label.cpu()} | ({"probs": probs.cpu()} if probs is not None else {}))
+            return out
+        x, in_sizes, _ = views[0]
+        logits = self(self.fill_padding(x, in_sizes))
         for i, ((h, w), size) in enumerate(zip(in_sizes, out_sizes)):
-            label, probs = resize_logits(logits[i, :, :h, :w], size, with_probs=self.predict_probs)
+            label, probs = resize_logits(logits[i, :, : int(h), : int(w)], size, with_probs=self.predict_probs)
             pred = {"label_map": label}
             if probs is not None:
                 pred["probs"] = probs
@@ -692,6 +753,9 @@ class SegmentationTask(BaseTask):
         batch_size: int = 1,
         bf16: bool = False,
         num_workers: int = 0,
+        eval_scale: Sequence[int] | None = None,
+        eval_ratios: Sequence[float] | None = None,
+        eval_flip: bool | None = None,
     ) -> list[dict[str, Any]]:
         """Segment image files, folders, globs or ``[3, H, W]`` tensors.
 
@@ -701,6 +765,8 @@ class SegmentationTask(BaseTask):
             batch_size: Images per forward pass (sizes may differ; padded like validation).
             bf16: Run the model under bfloat16 autocast (outputs stay int64 / float32).
             num_workers: DataLoader workers decoding the files.
+            eval_scale, eval_ratios, eval_flip: the resize and the test-time views
+                (:meth:`predict_transform`); by default the checkpoint's validation settings.
 
         Returns:
             Per image: ``label_map`` int64 ``[H0, W0]`` (class indices, original pixels),
@@ -708,7 +774,8 @@ class SegmentationTask(BaseTask):
         """
         old, self.predict_probs = self.predict_probs, bool(return_probs)
         try:
-            return super().predict_images(images, batch_size=batch_size, bf16=bf16, num_workers=num_workers)
+            return super().predict_images(images, batch_size=batch_size, bf16=bf16, num_workers=num_workers,
+                                          eval_scale=eval_scale, eval_ratios=eval_ratios, eval_flip=eval_flip)
         finally:
             self.predict_probs = old
 
@@ -757,6 +824,30 @@ class SegmentationTask(BaseTask):
         return [write_file(out_dir / "predictions.json", (json.dumps(index, indent=1) + "\n").encode())]
 
 
+def _pad_stack(images: Sequence[Tensor]) -> Tensor:
+    """``[C, h, w]`` images of different sizes as one batch, padded bottom/right with 0."""
+    hh, ww = max(im.shape[-2] for im in images), max(im.shape[-1] for im in images)
+    return torch.stack([F.pad(im, (0, ww - im.shape[-1], 0, hh - im.shape[-2])) for im in images])
+
+
+def _resized_rows(logits: Tensor, y0: int, y1: int, size: tuple[int, int]) -> Tensor:
+    """Rows ``y0:y1`` of float ``[C, h, w]`` logits resized bilinearly to ``size``
+    (``align_corners=False``), as ``[C, y1 - y0, W]``: ``grid_sample`` at the source
+    coordinates ``F.interpolate`` uses, so a strip never needs the whole resized tensor."""
+    hh, ww = size
+    if tuple(logits.shape[-2:]) == (hh, ww):
+        return logits[:, y0:y1]
+    dev = logits.device
+    gx = (2 * torch.arange(ww, device=dev, dtype=torch.float32) + 1) / ww - 1
+    gy = (2 * torch.arange(y0, y1, device=dev, dtype=torch.float32) + 1) / hh - 1
+    grid = torch.stack((gx.expand(y1 - y0, ww), gy[:, None].expand(y1 - y0, ww)), dim=-1)[None]
+    return F.grid_sample(logits[None], grid, mode="bilinear", padding_mode="border", align_corners=False)[0]
+
+
+def _strip_rows(channels: int, width: int, max_elements: int) -> int:
+    return max(1, int(max_elements) // max(1, channels * width))
+
+
 def resize_logits(
     logits: Tensor, size: tuple[int, int], *, with_probs: bool = False, max_elements: int = 1 << 24
 ) -> tuple[Tensor, Tensor | None]:
@@ -776,17 +867,59 @@ def resize_logits(
     if (h, w) == (hh, ww):
         probs = logits.softmax(0).cpu() if with_probs else None
         return logits.argmax(0).cpu(), probs
-    rows = max(1, int(max_elements) // max(1, c * ww))
-    dev = logits.device
-    gx = (2 * torch.arange(ww, device=dev, dtype=torch.float32) + 1) / ww - 1
+    rows = _strip_rows(c, ww, max_elements)
     label = torch.empty(hh, ww, dtype=torch.long)
     probs_out = torch.empty(c, hh, ww, dtype=torch.float32) if with_probs else None
     for y0 in range(0, hh, rows):
         y1 = min(hh, y0 + rows)
-        gy = (2 * torch.arange(y0, y1, device=dev, dtype=torch.float32) + 1) / hh - 1
-        grid = torch.stack((gx.expand(y1 - y0, ww), gy[:, None].expand(y1 - y0, ww)), dim=-1)[None]
-        strip = F.grid_sample(logits[None], grid, mode="bilinear", padding_mode="border", align_corners=False)[0]
+        strip = _resized_rows(logits, y0, y1, (hh, ww))
         label[y0:y1] = strip.argmax(0).cpu()
         if probs_out is not None:
             probs_out[:, y0:y1] = strip.softmax(0).cpu()
+    return label, probs_out
+
+
+def view_probs(logits: Tensor, flipped: bool, y0: int, y1: int, size: tuple[int, int]) -> Tensor:
+    """One test-time view's class probabilities for rows ``y0:y1`` of the output ``size``: its
+    ``[C, h, w]`` logits resized bilinearly (``align_corners=False``), softmax over the classes,
+    flipped back horizontally if the view was flipped. Float32 ``[C, y1 - y0, W]``, a new tensor."""
+    p = _resized_rows(logits.float(), y0, y1, size).softmax(0)
+    return p.flip(-1) if flipped else p
+
+
+def merge_views(
+    views: Sequence[tuple[Tensor, bool]], size: tuple[int, int], *, with_probs: bool = False,
+    max_elements: int = 1 << 24,
+) -> tuple[Tensor, Tensor | None]:
+    """Test-time augmentation: the class of each pixel from the mean softmax of several views.
+
+    Each view is ``(logits [C, h, w], flipped)``: the logits of one resized (and, if ``flipped``,
+    horizontally flipped) copy of the image, cropped to its extent. As mmseg's ``aug_test``, each
+    view's logits are resized bilinearly (``align_corners=False``) to ``size``, the original
+    image's, turned into probabilities, flipped back if flipped, summed and divided by the view
+    count; the class is the argmax. Done in row strips of at most ``max_elements`` values per
+    view, so the output may be a large photo: all views' logits are kept, at their own sizes.
+    (Validation sums one view at a time at the label's size instead, as mmseg does; the same
+    values.)
+
+    Returns:
+        ``(label_map int64 [H, W], probs float32 [C, H, W] or None)``, on the logits' device.
+    """
+    c = views[0][0].shape[0]
+    hh, ww = int(size[0]), int(size[1])
+    dev = views[0][0].device
+    rows = _strip_rows(c, ww, max_elements)
+    label = torch.empty(hh, ww, dtype=torch.long, device=dev)
+    probs_out = torch.empty(c, hh, ww, dtype=torch.float32, device=dev) if with_probs else None
+    for y0 in range(0, hh, rows):
+        y1 = min(hh, y0 + rows)
+        acc: Tensor | None = None
+        for logits, flipped in views:
+            p = view_probs(logits, flipped, y0, y1, (hh, ww))
+            acc = p if acc is None else acc.add_(p)
+        assert acc is not None
+        acc /= len(views)
+        label[y0:y1] = acc.argmax(0)
+        if probs_out is not None:
+            probs_out[:, y0:y1] = acc
     return label, probs_out
