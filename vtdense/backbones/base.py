@@ -143,6 +143,55 @@ class Backbone(nn.Module):
         # eagerly: never first inside a compiled graph, and a bad VTDENSE_CPU_MATMUL fails here.
         cpu_matmul()
 
+    #: leading stages whose weights are frozen (see :meth:`set_frozen_stages`); -1: none
+    frozen_stages: int = -1
+
+    def stage_modules(self) -> list[nn.Module]:
+        """The built stages in order (each holds what computes that stage's output from the
+        previous one's, downsampling included)."""
+        raise NotImplementedError
+
+    def frozen_modules(self) -> list[nn.Module]:
+        """The modules :attr:`frozen_stages` freezes: the patch embedding, the first
+        ``frozen_stages`` stages and their output norms."""
+        k = self.frozen_stages
+        if k < 0:
+            return []
+        norms = getattr(self, "out_norms", None)
+        names = [f"stage{i + 1}" for i in range(k)]
+        return [self.patch_embed, *self.stage_modules()[:k], *(norms[n] for n in names if norms is not None and n in norms)]
+
+    def set_frozen_stages(self, frozen_stages: int) -> None:
+        """Freeze the patch embedding (``0``) and the first ``frozen_stages`` stages with their
+        output norms (``k >= 1``), as mmdet's ``frozen_stages`` and detectron2's ``freeze_at``:
+        their parameters get ``requires_grad=False`` and the modules stay in eval mode, also
+        under ``.train()`` (no stochastic depth or dropout there), so their outputs are those of
+        inference and autograd stores nothing for them. ``-1`` unfreezes what this froze.
+
+        A stage here begins with its downsampling (Swin's patch merging, MViTv2's pooling
+        block), as in timm's layout and detectron2's: ``frozen_stages=k`` freezes exactly what the
+        first ``k`` outputs depend on. mmdet's Swin also freezes the patch merging after stage ``k``.
+
+        Raises:
+            ValueError: ``frozen_stages`` is not an int from -1 to the number of built stages.
+        """
+        n = len(self.stage_modules())
+        if isinstance(frozen_stages, bool) or not isinstance(frozen_stages, int) or not -1 <= frozen_stages <= n:
+            raise ValueError(f"frozen_stages must be an int from -1 (none) to {n} (every stage), got {frozen_stages!r}")
+        for m in self.frozen_modules():
+            m.requires_grad_(True)
+            m.train(self.training)
+        self.frozen_stages = frozen_stages
+        self.train(self.training)
+
+    def train(self, mode: bool = True) -> "Backbone":
+        """``nn.Module.train``, with the :attr:`frozen_stages` kept frozen and in eval mode."""
+        super().train(mode)
+        for m in self.frozen_modules():
+            m.eval()
+            m.requires_grad_(False)
+        return self
+
     def output_shape(self) -> dict[str, dict[str, int]]:
         """Channels and stride of each output, keyed like ``forward``'s result."""
         return {

@@ -463,6 +463,8 @@ class MViTv2(Backbone):
         out_indices: stages (0-based) whose outputs are returned; later stages are not built.
         out_norm: LayerNorm on each emitted feature map (``out_norms``, keyed by output name).
         grad_checkpointing: recompute blocks in backward to save memory.
+        frozen_stages: freeze the patch embedding (0) and the first ``k`` stages with their output
+            norms (:meth:`~vtdense.backbones.base.Backbone.set_frozen_stages`); -1: none.
         rel_pos_fold: fold the decomposed relative positions into the head dimension of ``q`` and
             ``k`` (one-hot keys; :func:`~vtdense.layers.position.decomposed_rel_pos_fold`) instead of
             adding a ``(Nq, Nk)`` bias to the logits (a window's padding becomes one more column):
@@ -496,6 +498,7 @@ class MViTv2(Backbone):
         out_norm: bool = True,
         grad_checkpointing: bool = False,
         rel_pos_fold: bool | None = None,
+        frozen_stages: int = -1,
     ) -> None:
         super().__init__()
         if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
@@ -585,6 +588,11 @@ class MViTv2(Backbone):
             nn.ModuleDict({k: _layer_norm(c) for k, c in zip(self.out_names, self.out_channels)}) if out_norm else None
         )
         self.apply(self._init_weights)
+        self.set_frozen_stages(frozen_stages)
+
+    def stage_modules(self) -> list[nn.Module]:
+        """The built stages (a stage's first block pools and widens)."""
+        return list(self.stages)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

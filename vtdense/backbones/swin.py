@@ -531,6 +531,8 @@ class SwinTransformer(Backbone):
         grad_checkpointing: recompute blocks in backward to save memory.
         extra_norm_every: V2 large-model option: an extra LayerNorm on the main branch every N
             blocks (0 = off).
+        frozen_stages: freeze the patch embedding (0) and the first ``k`` stages with their output
+            norms (:meth:`~vtdense.backbones.base.Backbone.set_frozen_stages`); -1: none.
     """
 
     def __init__(
@@ -553,6 +555,7 @@ class SwinTransformer(Backbone):
         out_norm: bool = True,
         grad_checkpointing: bool = False,
         extra_norm_every: int = 0,
+        frozen_stages: int = -1,
     ) -> None:
         super().__init__()
         if version not in (1, 2):
@@ -612,6 +615,11 @@ class SwinTransformer(Backbone):
         self.apply(self._init_weights)
         if version == 2:
             self._init_v2()
+        self.set_frozen_stages(frozen_stages)
+
+    def stage_modules(self) -> list[nn.Module]:
+        """The built stages (:class:`SwinStage`: patch merging, then the blocks)."""
+        return list(self.layers)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:
