@@ -176,6 +176,11 @@ class BaseTask(LightningModule):
         self.configure_models()
         self.configure_metrics()
 
+    def build_from_datamodule(self, datamodule: Any) -> None:
+        """Take the class count from ``datamodule`` and build the network (a task made with
+        ``num_classes=None``)."""
+        raise NotImplementedError
+
     def check_architecture(self) -> None:
         """Build the network once on the meta device (no memory, no weights read), with one class,
         and drop it: an option the backbone, neck or head refuses is then one error when the task
@@ -213,8 +218,15 @@ class BaseTask(LightningModule):
           (:func:`vtdense.layers.mlp.set_activation_recompute`), and ``triton_attention``
           (:func:`vtdense.layers.triton_window_attention.set_triton_window_attention`).
 
+        - Build the network first if it waits for the datamodule's class count: Lightning calls
+          this hook after ``setup`` (which builds it), but a callback that copies the model when
+          fitting starts calls it before (Lightning's ``WeightAveraging`` / ``EMAWeightAveraging``),
+          and must copy the whole network.
+
         Idempotent.
         """
+        if self.model is None and self._trainer is not None:
+            self.build_from_datamodule(getattr(self._trainer, "datamodule", None))
         min_bytes = self.hparams.get("activation_recompute_min_bytes")
         set_activation_recompute(bool(self.hparams.get("activation_recompute", True)),
                                  min_bytes=DEFAULT_RECOMPUTE_MIN_BYTES if min_bytes is None else int(min_bytes))

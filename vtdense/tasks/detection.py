@@ -443,11 +443,8 @@ class DetectionTask(BaseTask):
         if self._trainer is not None:
             keep_targets_exact(self._trainer.precision_plugin)
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if self.hparams["num_classes"] is None:
-            n = getattr(dm, "num_classes", None)
-            if n is None:
-                raise ValueError("num_classes is None and the datamodule has no num_classes; pass --model.num_classes")
-            self.hparams["num_classes"] = int(n)
+        if self.model is None:
+            self.build_from_datamodule(dm)
         if dm is not None:
             dm_classes = getattr(dm, "num_classes", None)
             if dm_classes is not None and int(dm_classes) != int(self.hparams["num_classes"]):
@@ -458,14 +455,21 @@ class DetectionTask(BaseTask):
                 self.label_to_category_id = _as_label_map(dm.label_to_category_id)
             if hasattr(dm, "category_names"):
                 self.category_names = _as_name_map(dm.category_names, self.label_to_category_id)
-        if self.model is None:
-            self.build()
         weights = self.hparams["backbone_weights"]
         if stage == "fit" and weights is not None and not self._backbone_loaded:
             from vtdense.checkpoints.convert import load_pretrained
 
             load_pretrained(self._detector.backbone.body, weights)
             self._backbone_loaded = True
+
+    def build_from_datamodule(self, datamodule: Any) -> None:
+        """Take ``num_classes`` from ``datamodule`` unless given, and build the detector."""
+        if self.hparams["num_classes"] is None:
+            n = getattr(datamodule, "num_classes", None)
+            if n is None:
+                raise ValueError("num_classes is None and the datamodule has no num_classes; pass --model.num_classes")
+            self.hparams["num_classes"] = int(n)
+        self.build()
 
     def check_data_fits(self, datamodule: Any, source: str | None = None) -> None:
         """Also refuse data whose COCO category ids or names are not the checkpoint's: the labels

@@ -243,16 +243,17 @@ class SegmentationTask(BaseTask):
         """Build the model now if ``num_classes`` comes from the datamodule."""
         super().setup(stage)
         dm = getattr(self.trainer, "datamodule", None)
-        if self.hparams.num_classes is None:
-            self._build_from_datamodule(dm)
+        if self.model is None:
+            self.build_from_datamodule(dm)
         if stage == "fit" and getattr(dm, "batch_size", 2) == 1 and str(self.hparams.arch).lower() in _POOLED_BN_ARCHS:
             raise ValueError(
                 f"data.batch_size=1 cannot train the {self.hparams.arch} decoder: its BatchNorm needs at least 2 images "
                 "per batch on every process (the pooled 1x1 branch has one value per channel); use data.batch_size >= 2"
             )
 
-    def _build_from_datamodule(self, dm: Any) -> None:
-        n = getattr(dm, "num_classes", None)
+    def build_from_datamodule(self, datamodule: Any) -> None:
+        """Take ``num_classes`` from ``datamodule`` and build the network."""
+        n = getattr(datamodule, "num_classes", None)
         if not isinstance(n, int) or n < 1:
             raise ValueError(
                 "model.num_classes is None and the datamodule gives no num_classes; set model.num_classes"
