@@ -1,9 +1,11 @@
-"""Lightning's ``EMAWeightAveraging`` with the tasks, whose network waits for the datamodule's class count.
+"""Lightning's weight averaging callbacks with the tasks, whose network waits for the datamodule's class count.
 
-The callback copies the model when fitting starts, before ``setup`` (where a task made with
-``num_classes=None`` builds its network), after calling ``configure_model``: the tasks build the
-network there too. Before, the copy had no network and the first update failed (segmentation), or
-the checkpoint held no network weights (detection).
+``EMAWeightAveraging`` / ``WeightAveraging`` copy the model when fitting starts, before ``setup``
+(where a task made with ``num_classes=None`` builds its network), after calling
+``configure_model``: the tasks build the network there too. Before, the copy had no network and
+the first update failed (segmentation), or the checkpoint held no network weights (detection).
+``StochasticWeightAveraging`` copies it in its ``setup`` with no hook first: the task copies itself
+for it again once built (before, it averaged nothing and its checkpoint state did not load).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
 
 from tests.test_tasks_detection import SLIM, TINY, datamodule, trainer
 from tests.test_tasks_segmentation import TINY_SWINV2
@@ -93,3 +95,23 @@ def test_detection_trains_with_ema_and_validates_the_average(tmp_path: Path) -> 
     metrics = trainer(tmp_path, logger=False).validate(task, datamodule=datamodule(root), ckpt_path=last,
                                                        verbose=False)[0]
     assert "val/bbox_mAP" in metrics
+
+
+def test_stochastic_weight_averaging_averages_the_built_network(tmp_path: Path) -> None:
+    """Lightning's SWA averages the weights each SWA epoch starts with (``swa_epoch_start=2`` counts
+    from 1: the second and third epochs of three here) and puts the average into the model when
+    fitting ends."""
+    root = generate_synthetic_segmentation(tmp_path / "ade", num_train=4, num_val=2, size_range=(36, 60), seed=3)
+    dm = ADE20KDataModule(root=str(root), num_workers=0, scale=(64, 48), crop_size=(32, 32), batch_size=2)
+    torch.manual_seed(0)
+    task = SegmentationTask(arch="fpn", backbone="swinv2_tiny", backbone_kwargs=TINY_SWINV2, aux_weight=0.0, warmup_steps=0,
+                            lr=1e-2, arch_kwargs={"decoder_pyramid_channels": 32, "decoder_segmentation_channels": 32})
+    assert not StochasticWeightAveraging.pl_module_contains_batch_norm(task)  # no extra epoch to refresh BatchNorm
+    weights = _Weights()
+    L.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_progress_bar=False, limit_val_batches=0,
+              default_root_dir=tmp_path, callbacks=[weights, StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=2)]).fit(
+        task, datamodule=dm)
+    epoch_starts = weights.starts[::2]  # 2 steps per epoch
+    assert len(epoch_starts) == 3
+    for n, p in task.named_parameters():
+        torch.testing.assert_close(p, (epoch_starts[1][n] + epoch_starts[2][n]) / 2, rtol=0, atol=1e-6)

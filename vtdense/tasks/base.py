@@ -24,6 +24,8 @@ The base owns what every task needs to run on several processes:
 
 from __future__ import annotations
 
+import copy
+
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, StochasticWeightAveraging
 from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.utils.data import DistributedSampler
@@ -202,6 +204,18 @@ class BaseTask(LightningModule):
             self.__dict__.clear()
             self.__dict__.update(plain)
 
+    def _recopy_for_swa(self) -> None:
+        """Lightning's ``StochasticWeightAveraging`` copies the model in its ``setup``, before the
+        task's ``setup`` builds a network that waits for the datamodule's class count, and calls
+        no hook first: its copy had no network, so it averaged nothing and its checkpoint state
+        did not load. Copy the built task for it again, as its ``setup`` does."""
+        if self.model is None or self._trainer is None:
+            return
+        for cb in self._trainer.callbacks:
+            held = getattr(cb, "_average_model", None) if isinstance(cb, StochasticWeightAveraging) else None
+            if held is not None and getattr(held, "model", None) is None:
+                cb._average_model = copy.deepcopy(self)
+
     def fsdp_units(self) -> list[torch.nn.Module]:
         """The modules whose ``forward`` the task's steps call: under FSDP each becomes a unit that
         owns the parameters outside the transformer blocks (default: ``[self.model]``)."""
@@ -227,6 +241,7 @@ class BaseTask(LightningModule):
         """
         if self.model is None and self._trainer is not None:
             self.build_from_datamodule(getattr(self._trainer, "datamodule", None))
+        self._recopy_for_swa()
         min_bytes = self.hparams.get("activation_recompute_min_bytes")
         set_activation_recompute(bool(self.hparams.get("activation_recompute", True)),
                                  min_bytes=DEFAULT_RECOMPUTE_MIN_BYTES if min_bytes is None else int(min_bytes))
