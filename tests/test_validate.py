@@ -272,6 +272,21 @@ def test_predict_from_a_coco_file_writes_the_results_validate_scores(det_run: di
     stats = _rescore(root / "annotations" / "instances_val2017.json", results, "bbox")
     assert abs(stats[0] - metrics["val/bbox_mAP"]) < 1e-6 and abs(stats[8] - metrics["val/bbox_mAR100"]) < 1e-6
 
+    # multi-scale + flip test-time augmentation: validate and predict with the same options agree, and
+    # pycocotools gives predict's file the mAP validate reports
+    tta = ["--data.test_scales=[64, 96, 128]", "--data.test_flip=true"]
+    coco_recipe().main(["predict", f"--ckpt_path={best}", f"--data.predict_path={info}", f"--data.predict_images={root / 'val2017'}",
+                        f"--output={tmp_path / 'pred_tta'}", "--progress_bar=false", "--data.num_workers=0", *tta])
+    metrics = coco_recipe().main(["validate", f"--ckpt_path={best}", "--data.batch_size=1", f"--output={tmp_path / 'val_tta'}",
+                                  "--progress_bar=false", *tta])
+    results = json.loads((tmp_path / "pred_tta" / "results.json").read_text())
+    reference = json.loads((tmp_path / "val_tta" / "bbox.json").read_text())
+    assert len(results) == len(reference) > 0 and sorted(map(key, results)) == sorted(map(key, reference))
+    stats = _rescore(root / "annotations" / "instances_val2017.json", results, "bbox")
+    assert abs(stats[0] - metrics["val/bbox_mAP"]) < 1e-6
+    plain = json.loads((tmp_path / "val" / "bbox.json").read_text())
+    assert sorted(map(key, plain)) != sorted(map(key, reference))  # the views were used
+
     # what is wrong with the file or the folder: one error before the model runs
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"images": instances["images"], "categories": [{**c, "id": c["id"] + 100} for c in instances["categories"]]}))

@@ -514,6 +514,11 @@ def predict_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="detection: short side (default: the checkpoint's datamodule test_scale)")
     p.add_argument("--data.max_size", dest="max_size", type=int, default=None,
                    help="detection: long-side cap (default: the checkpoint's datamodule max_size)")
+    p.add_argument("--data.test_scales", dest="test_scales", type=_yaml_value, default=None,
+                   help="detection: test-time augmentation, short sides of the views, e.g. '[400, 600, 800, 1000, 1200]' "
+                   "(default: the checkpoint's validation setting)")
+    p.add_argument("--data.test_flip", dest="test_flip", type=_yaml_value, default=None,
+                   help="detection: true adds horizontally flipped views (default: the checkpoint's)")
     p.add_argument("--size_divisibility", type=int, default=None,
                    help="detection: pad images to a multiple of this (default: the checkpoint's, 32); a coarser grid "
                    "such as 128 bounds the distinct shapes of images of many sizes")
@@ -558,6 +563,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
     from torch.utils.data import DataLoader
 
     from vtdense.data.ade20k import check_eval_ratios
+    from vtdense.data.transforms import check_test_scales
     from vtdense.data.coco import category_tables
     from vtdense.data.predict import (
         PredictImages,
@@ -598,8 +604,8 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
             if coco_categories:  # its category ids must be the ones the model predicts
                 task.check_data_fits(category_tables(coco_categories), ns.ckpt_path)
 
-        given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale", "eval_ratios", "eval_flip")
-                 if getattr(ns, k) is not None}
+        given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale", "eval_ratios", "eval_flip",
+                                             "test_scales", "test_flip") if getattr(ns, k) is not None}
         accepted = inspect.signature(task.predict_transform).parameters
         wrong = [f"--data.{k}" for k in given if k not in accepted]
         if wrong:
@@ -611,8 +617,11 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
             check_eval_scale(given["eval_scale"], "--data.eval_scale")
         if "eval_ratios" in given:
             check_eval_ratios(given["eval_ratios"], "--data.eval_ratios")
-        if "eval_flip" in given and not isinstance(given["eval_flip"], bool):
-            raise ValueError(f"--data.eval_flip must be true or false, got {given['eval_flip']!r}")
+        if "test_scales" in given:
+            check_test_scales(given["test_scales"], "--data.test_scales")
+        for k in ("eval_flip", "test_flip"):
+            if k in given and not isinstance(given[k], bool):
+                raise ValueError(f"--data.{k} must be true or false, got {given[k]!r}")
         has_threshold = hasattr(task, "score_threshold")
         if ns.score_thresh is not None and not has_threshold:
             raise ValueError(f"--score_thresh does not apply to a {type(task).__name__} checkpoint")
@@ -637,7 +646,8 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
         if ns.size_divisibility is not None:
             info["size_divisibility"] = ns.size_divisibility
         info["preprocessing"] = {k: v for k, v in (task.datamodule_hparams or {}).items()
-                                 if k in ("test_scale", "max_size", "scale", "eval_scale", "eval_ratios", "eval_flip")} | given
+                                 if k in ("test_scale", "max_size", "scale", "eval_scale", "eval_ratios", "eval_flip",
+                                          "test_scales", "test_flip")} | given
         writer = PredictionWriter(out_dir, info)
         trainer = Trainer(
             accelerator=DEVICES[ns.device],

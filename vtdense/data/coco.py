@@ -56,6 +56,8 @@ from vtdense.data.transforms import (
     DEFAULT_MAX_SIZE,
     DEFAULT_TEST_SCALE,
     DEFAULT_TRAIN_SCALES,
+    DetectionEvalViews,
+    check_test_scales,
     detection_crop_transforms,
     detection_eval_transforms,
     detection_lsj_transforms,
@@ -575,6 +577,11 @@ class COCODataModule(L.LightningDataModule):
         train_scales: Short sides sampled in training.
         max_size: Long-side cap, training and evaluation.
         test_scale: Short side in evaluation.
+        test_scales: test-time augmentation in validation and test, detectron2's ``TEST.AUG``: the
+            image is also detected at these short sides (``max_size`` still caps the long side)
+            and the detections of all views merged by per-class NMS, Mask R-CNN's masks averaged
+            (:func:`vtdense.models.detection_tta.merge_views`); ``None``: ``test_scale`` alone.
+        test_flip: test-time augmentation with horizontally flipped views too.
         flip_prob: Horizontal-flip probability in training.
         train_augment: ``"multiscale"`` (short side from ``train_scales``, long side capped at
             ``max_size``), ``"multiscale_crop"`` (the same, after the DETR-style random crop of
@@ -621,6 +628,8 @@ class COCODataModule(L.LightningDataModule):
         train_scales: Sequence[int] = DEFAULT_TRAIN_SCALES,
         max_size: int = DEFAULT_MAX_SIZE,
         test_scale: int = DEFAULT_TEST_SCALE,
+        test_scales: list[int] | None = None,
+        test_flip: bool = False,
         flip_prob: float = 0.5,
         train_augment: str = "multiscale",
         crop_prob: float = 0.5,
@@ -655,6 +664,10 @@ class COCODataModule(L.LightningDataModule):
         self.train_scales = tuple(int(s) for s in train_scales)
         self.max_size = max_size
         self.test_scale = test_scale
+        self.test_scales = check_test_scales(test_scales, "COCODataModule: test_scales")
+        if not isinstance(test_flip, bool):
+            raise ValueError(f"COCODataModule: test_flip must be true or false, got {test_flip!r}")
+        self.test_flip = test_flip
         self.flip_prob = flip_prob
         if train_augment not in _TRAIN_AUGMENTS:
             raise ValueError(f"train_augment must be one of {list(_TRAIN_AUGMENTS)}, got {train_augment!r}")
@@ -804,7 +817,7 @@ class COCODataModule(L.LightningDataModule):
         if train:
             transforms = self._train_transforms()
         else:
-            transforms = detection_eval_transforms(self.test_scale, self.max_size)
+            transforms = DetectionEvalViews(self.test_scale, self.max_size, self.test_scales, self.test_flip)
         ds = COCODetection(img, ann, transforms, train=train, min_box_size=self.min_box_size,
                            max_decode_side=max(DEFAULT_MAX_DECODE_SIDE, int(self.max_size)),
                            filter_empty=train and self.filter_empty)

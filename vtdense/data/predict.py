@@ -38,7 +38,7 @@ from torchvision.transforms.v2 import functional as TF
 from vtdense.data.ade20k import SegEvalTransform
 from vtdense.data.errors import BadSampleError
 from vtdense.data.images import decode_image
-from vtdense.data.transforms import DEFAULT_MAX_SIZE, DEFAULT_TEST_SCALE, detection_eval_transforms
+from vtdense.data.transforms import DEFAULT_MAX_SIZE, DEFAULT_TEST_SCALE, DetectionEvalViews
 
 __all__ = [
     "IMAGE_SUFFIXES",
@@ -186,19 +186,27 @@ def _as_image_tensor(image: Tensor) -> Tensor:
 
 
 def detection_predict_transform(
-    test_scale: int = DEFAULT_TEST_SCALE, max_size: int | None = DEFAULT_MAX_SIZE
-) -> Callable[[Tensor], Tensor]:
-    """The detection validation resize (short side ``test_scale``, long side at most ``max_size``).
+    test_scale: int = DEFAULT_TEST_SCALE, max_size: int | None = DEFAULT_MAX_SIZE,
+    scales: Sequence[int] | None = None, flip: bool = False,
+) -> Callable[[Tensor], Any]:
+    """The detection validation resize (short side ``test_scale``, long side at most ``max_size``),
+    with the test-time views of ``scales`` and ``flip`` (:class:`~vtdense.data.transforms.DetectionEvalViews`).
 
     Returns:
         A function from a ``[3, H, W]`` uint8 (0..255) or float (0..1) tensor to the float32
-        ``[3, h, w]`` model input in 0..1 (exactly :func:`detection_eval_transforms`).
+        ``[3, h, w]`` model input in 0..1 (exactly :func:`detection_eval_transforms`); with several
+        views, to ``(image, {"views": [{"image", "flip"}, ...]})``, whose second part
+        :class:`PredictImages` puts into the target.
     """
-    transform = detection_eval_transforms(int(test_scale), None if max_size is None else int(max_size))
+    transform = DetectionEvalViews(int(test_scale), None if max_size is None else int(max_size), scales, flip)
 
-    def apply(image: Tensor) -> Tensor:
-        out = transform(tv_tensors.Image(_as_image_tensor(image)))
-        return TF.to_dtype(out.as_subclass(Tensor), torch.float32, scale=True)
+    def apply(image: Tensor) -> Any:
+        out, target = transform(tv_tensors.Image(_as_image_tensor(image)), {})
+        out = TF.to_dtype(out.as_subclass(Tensor), torch.float32, scale=True)
+        if "views" not in target:
+            return out
+        return out, {"views": [{"image": TF.to_dtype(v["image"], torch.float32, scale=True), "flip": v["flip"]}
+                               for v in target["views"]]}
 
     if max_size is not None:
         apply.model_long_side = int(max_size)  # type: ignore[attr-defined]  # read by PredictImages

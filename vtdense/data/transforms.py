@@ -42,10 +42,12 @@ __all__ = [
     "IMAGENET_MEAN_UINT8",
     "INSTANCE_KEYS",
     "BoxesFromMasks",
+    "DetectionEvalViews",
     "FixedSizeCropPad",
     "RandomRangeCrop",
     "RandomScaleResize",
     "ResizeShortestEdge",
+    "check_test_scales",
     "detection_crop_transforms",
     "detection_eval_transforms",
     "detection_lsj_transforms",
@@ -241,6 +243,67 @@ def detection_eval_transforms(scale: int = DEFAULT_TEST_SCALE, max_size: int | N
             v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True),
         ]
     )
+
+
+def check_test_scales(scales: Any, option: str = "test_scales") -> tuple[int, ...] | None:
+    """``scales`` as a tuple of positive ints (short sides), or ``None`` (one scale).
+
+    Raises:
+        ValueError: not a non-empty list of positive ints; one message naming ``option`` and the value.
+    """
+    if scales is None:
+        return None
+    ok = (
+        isinstance(scales, Sequence)
+        and not isinstance(scales, (str, bytes))
+        and len(scales) > 0
+        and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in scales)
+    )
+    if not ok:
+        raise ValueError(f"{option} must be a non-empty list of positive ints (short sides), e.g. [400, 500, ..., 1200], "
+                         f"or null, got {scales!r}")
+    return tuple(int(s) for s in scales)
+
+
+class DetectionEvalViews:
+    """The evaluation resize, with the views of test-time augmentation (detectron2's ``TEST.AUG``:
+    ``MIN_SIZES`` and ``FLIP``).
+
+    Args:
+        test_scale: Short side of the evaluation resize.
+        max_size: Cap on the long side (``None``: no cap), for every view.
+        scales: Short sides of the test-time views (``None``: ``test_scale`` alone).
+        flip: Also a horizontally flipped view of each scale.
+
+    Called on ``(image, target)`` like :func:`detection_eval_transforms`. With one view that is
+    all it is. With several, the sample's image (and its target) is the unflipped view whose short
+    side is nearest ``test_scale``, and ``target["views"]`` lists the others in detectron2's order
+    (by scale; unflipped, then flipped) as ``{"image": float [3, h, w] in [0, 1], "flip": bool}``;
+    the task merges the detections of all views (:func:`vtdense.models.detection_tta.merge_views`).
+    """
+
+    def __init__(self, test_scale: int, max_size: int | None, scales: Sequence[int] | None = None, flip: bool = False) -> None:
+        scales = check_test_scales(scales) or (int(test_scale),)
+        specs = [(s, f) for s in scales for f in ((False, True) if flip else (False,))]
+        base = min(range(len(specs)), key=lambda i: (abs(specs[i][0] - int(test_scale)), specs[i][1], i))
+        #: (short side, flipped) of every view, the sample's own first
+        self.specs: list[tuple[int, bool]] = [specs[base]] + specs[:base] + specs[base + 1 :]
+        self.resizes = {s: detection_eval_transforms(s, max_size) for s in scales}
+        self.max_size = max_size
+
+    def __call__(self, image: Any, target: Any) -> tuple[Any, Any]:
+        """``(image, target)`` resized as the first view, with ``target["views"]`` when there are others."""
+        first = self.specs[0][0]
+        out_image, out_target = self.resizes[first](image, target)
+        if len(self.specs) == 1:
+            return out_image, out_target
+        resized = {first: out_image.as_subclass(torch.Tensor)}
+        views = []
+        for short, flipped in self.specs[1:]:
+            if short not in resized:
+                resized[short] = self.resizes[short](image).as_subclass(torch.Tensor)
+            views.append({"image": resized[short].flip(-1) if flipped else resized[short], "flip": flipped})
+        return out_image, dict(out_target) | {"views": views}
 
 
 class RandomScaleResize(v2.Transform):

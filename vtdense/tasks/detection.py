@@ -734,8 +734,7 @@ class DetectionTask(BaseTask):
             raise RuntimeError("metrics are not configured: the detector was never set up")
         images, targets = batch
         keep = self.eval_keep(len(images))
-        with unpasted_masks(self._detector) as unpasted:  # pasted once, into the original image
-            dets = self(list(images))
+        dets, unpasted = self._detect(list(images), list(targets))
         for image, det, target, real in zip(images, dets, targets, keep):
             if not real:  # a repeat added by the distributed sampler
                 continue
@@ -837,23 +836,47 @@ class DetectionTask(BaseTask):
             images, targets = list(batch), [None] * len(batch)
         if not images:  # every image of the batch was skipped (undecodable files)
             return []
-        with unpasted_masks(self._detector) as unpasted:  # pasted once, into the original image
-            dets = self(images)
+        dets, unpasted = self._detect(images, targets)
         return [self._to_original(img, det, tgt, unpasted) for img, det, tgt in zip(images, dets, targets)]
+
+    def _detect(self, images: list[Tensor], targets: list[dict[str, Any] | None]) -> tuple[list[dict[str, Tensor]], bool]:
+        """The detections of a batch in its images' pixels, and whether Mask R-CNN's masks are the
+        mask head's unpasted ``(N, 1, M, M)`` probabilities (they are pasted once, into the original
+        image). With test-time views in the targets (``views``, from the datamodule's or the predict
+        transform's ``test_scales`` / ``test_flip``), the views' detections merged
+        (:func:`vtdense.models.detection_tta.merge_views`)."""
+        if targets and targets[0] is not None and targets[0].get("views"):
+            from vtdense.models.detection_tta import merge_views
+
+            views = [[(im, False)] + [(v["image"].to(im.device), bool(v["flip"])) for v in t["views"]]
+                     for im, t in zip(images, targets)]
+            return merge_views(self._detector, views), True
+        with unpasted_masks(self._detector) as unpasted:  # pasted once, into the original image
+            return self(images), unpasted
 
     # ============================================================================================
     # Prediction on new images (issue 11): preprocessing from the checkpoint, a score threshold,
     # class names, and the files of the ``predict`` recipe subcommand.
     # ============================================================================================
-    def predict_transform(self, test_scale: int | None = None, max_size: int | None = None) -> Any:
-        """Validation's resize: ``test_scale`` / ``max_size`` from the checkpoint's datamodule unless given."""
+    def predict_transform(self, test_scale: int | None = None, max_size: int | None = None,
+                          test_scales: Sequence[int] | None = None, test_flip: bool | None = None) -> Any:
+        """Validation's resize and test-time views: ``test_scale`` / ``max_size`` / ``test_scales`` /
+        ``test_flip`` from the checkpoint's datamodule unless given.
+
+        Raises:
+            ValueError: ``test_scales`` is not a list of positive ints, or ``test_flip`` not a bool.
+        """
         from vtdense.data.predict import detection_predict_transform
-        from vtdense.data.transforms import DEFAULT_MAX_SIZE, DEFAULT_TEST_SCALE
+        from vtdense.data.transforms import DEFAULT_MAX_SIZE, DEFAULT_TEST_SCALE, check_test_scales
 
         dm = self.datamodule_hparams or {}
         scale = test_scale if test_scale is not None else dm.get("test_scale", DEFAULT_TEST_SCALE)
         size = max_size if max_size is not None else dm.get("max_size", DEFAULT_MAX_SIZE)
-        return detection_predict_transform(int(scale), None if size is None else int(size))
+        scales = check_test_scales(test_scales if test_scales is not None else dm.get("test_scales"), "test_scales")
+        flip = bool(dm.get("test_flip", False)) if test_flip is None else test_flip
+        if not isinstance(flip, bool):
+            raise ValueError(f"test_flip must be true or false, got {flip!r}")
+        return detection_predict_transform(int(scale), None if size is None else int(size), scales, flip)
 
     def set_size_divisibility(self, value: int | None) -> int:
         """Pad batches to multiples of ``value`` from now on (``None``: the backbone's own, 32), e.g.
@@ -891,6 +914,10 @@ class DetectionTask(BaseTask):
         batch_size: int = 1,
         bf16: bool = False,
         num_workers: int = 0,
+        test_scale: int | None = None,
+        max_size: int | None = None,
+        test_scales: Sequence[int] | None = None,
+        test_flip: bool | None = None,
     ) -> list[dict[str, Any]]:
         """Detect objects in image files, folders, globs or ``[3, H, W]`` tensors.
 
@@ -900,6 +927,8 @@ class DetectionTask(BaseTask):
             batch_size: Images per forward pass (sizes may differ).
             bf16: Run the model under bfloat16 autocast (boxes and scores come back float32).
             num_workers: DataLoader workers decoding the files.
+            test_scale, max_size, test_scales, test_flip: the resize and the test-time views
+                (:meth:`predict_transform`); by default the checkpoint's validation settings.
 
         Returns:
             Per image: ``boxes`` float32 ``[N, 4]`` (XYXY, original pixels), ``scores`` ``[N]``,
@@ -908,7 +937,9 @@ class DetectionTask(BaseTask):
             ``path``; all on the CPU.
         """
         with self.score_threshold(score_thresh):
-            return super().predict_images(images, batch_size=batch_size, bf16=bf16, num_workers=num_workers)
+            return super().predict_images(images, batch_size=batch_size, bf16=bf16, num_workers=num_workers,
+                                          test_scale=test_scale, max_size=max_size, test_scales=test_scales,
+                                          test_flip=test_flip)
 
     def _label_name(self, label: int) -> str:
         return self.category_names.get(int(label), str(int(label)))
