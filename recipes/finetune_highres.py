@@ -190,6 +190,9 @@ def main(args: list[str] | None = None) -> dict[str, float]:
     task_cls, dm_cls, config = _TASKS[task]
     show_checkpoint_reports()
     default = None if any(a == "--config" or a.startswith("--config=") for a in argv) else CONFIGS / config
+    if args is None:  # from the command line, less --task: LightningCLI reads it there (given both, it warns)
+        sys.argv[1:] = argv
+        return run_recipe(_load(task_cls), _load(dm_cls), default)
     return run_recipe(_load(task_cls), _load(dm_cls), default, args=argv)
 
 

@@ -107,7 +107,7 @@ def merge_views(detector: nn.Module, views: Sequence[Sequence[View]]) -> list[di
             boxes = [_to_view(m["boxes"], frame, im.shape[-2:], v[k][1]) for m, frame, im, v in zip(merged, frames, images, views)]
             probs = _mask_probs(detector, images, boxes, [m["labels"] for m in merged])
             for i, p in enumerate(probs):
-                p = p.flip(-1) if views[i][k][1] else p
+                p = p.float().flip(-1) if views[i][k][1] else p.float()
                 total[i] = p if total[i] is None else total[i] + p
         for m, t in zip(merged, total):
             m["masks"] = t / count
