@@ -126,6 +126,9 @@ def test_validate_scores_the_views_and_predict_gives_the_same_labels(tmp_path: P
     for i, pred in enumerate(preds):
         miou.update(pred["label_map"], val.load(i)[1])
     assert float(miou.compute()) == pytest.approx(metrics["val/mIoU"], abs=1e-6)
+    batches = _trainer(tmp_path, logger=False).predict(task, datamodule=dm)  # the datamodule's evaluation batches
+    by_trainer = [p["label_map"] for batch in batches for p in batch]
+    assert len(by_trainer) == len(preds) and all(torch.equal(a, b["label_map"]) for a, b in zip(by_trainer, preds))
     assert metrics["val/mIoU"] != pytest.approx(plain["val/mIoU"], abs=1e-6)  # the views were used
     one = task.predict_images([str(val.images[0])], eval_ratios=[1.0], eval_flip=False)[0]["label_map"]
     assert not torch.equal(one, preds[0]["label_map"])  # an argument replaces the checkpoint's setting

@@ -593,7 +593,7 @@ class ADE20KDataModule(L.LightningDataModule):
         destroy_process_group_at_exit()  # a clean exit under gloo (see vtdense.distributed)
         if stage in ("fit", None) and self.train_dataset is None:
             self.train_dataset = self._dataset(self.hparams.train_split, self.train_transform)
-        if stage in ("fit", "validate", "test", None) and self.val_dataset is None:
+        if stage in ("fit", "validate", "test", "predict", None) and self.val_dataset is None:
             self.val_dataset = self._dataset(self.hparams.val_split, self.eval_transform)
 
     def _loader(self, dataset: Dataset, batch_size: int, shuffle: bool) -> DataLoader:
@@ -634,4 +634,9 @@ class ADE20KDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         """The validation split (ADE20K's test labels are not public)."""
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        """The validation split, as evaluation batches: ``trainer.predict`` gives each image's label
+        map at its label's size (:meth:`~vtdense.tasks.segmentation.SegmentationTask.predict_step`)."""
         return self.val_dataloader()
