@@ -8,9 +8,10 @@ without a word). The message reads ``"<name> must be <what> (option '<name>'), g
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["check_int", "check_number"]
+__all__ = ["check_int", "check_number", "positive_list"]
 
 
 def check_int(name: str, value: Any, *, low: int = 1, optional: bool = False) -> None:
@@ -38,3 +39,25 @@ def check_number(name: str, value: Any, *, low: float | None = None, high: float
         hi = "inf)" if high is None else f"{high:g}" + (")" if high_open else "]")
         raise ValueError(f"{name} must be a number in {lo}, {hi}{' or None' if optional else ''} (option '{name}'), "
                          f"got {value!r}")
+
+
+def positive_list(value: Any, option: str, *, integers: bool, example: str) -> tuple[Any, ...] | None:
+    """``value`` as a tuple of positive finite numbers (whole ones with ``integers``), or ``None``.
+
+    Raises:
+        ValueError: ``value`` is not a non-empty list of such numbers: ``"<option> must be a non-empty
+            list of positive ints|numbers, e.g. <example>, or null, got <value>"``.
+    """
+    if value is None:
+        return None
+    kinds = (int,) if integers else (int, float)
+    ok = (
+        isinstance(value, Sequence)
+        and not isinstance(value, (str, bytes))
+        and len(value) > 0
+        and all(isinstance(v, kinds) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in value)
+    )
+    if not ok:
+        what = "positive ints" if integers else "positive numbers"
+        raise ValueError(f"{option} must be a non-empty list of {what}, e.g. {example}, or null, got {value!r}")
+    return tuple(int(v) if integers else float(v) for v in value)

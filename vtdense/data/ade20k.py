@@ -42,6 +42,7 @@ from vtdense.data.photometric import PhotoMetricDistortion
 from vtdense.data.samplers import make_train_loader
 from vtdense.data.synthetic_seg import generate_synthetic_segmentation
 from vtdense.distributed import destroy_process_group_at_exit
+from vtdense.options import positive_list
 
 __all__ = [
     "IGNORE_INDEX",
@@ -295,18 +296,7 @@ def check_eval_ratios(ratios: Any, option: str = "eval_ratios") -> tuple[float, 
         ValueError: ``ratios`` is not a non-empty list of positive numbers; one message naming
             ``option`` and the value.
     """
-    if ratios is None:
-        return None
-    ok = (
-        isinstance(ratios, Sequence)
-        and not isinstance(ratios, (str, bytes))
-        and len(ratios) > 0
-        and all(isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r) and r > 0 for r in ratios)
-    )
-    if not ok:
-        raise ValueError(f"{option} must be a non-empty list of positive numbers, e.g. [0.5, 0.75, 1.0, 1.25, 1.5, "
-                         f"1.75], or null, got {ratios!r}")
-    return tuple(float(r) for r in ratios)
+    return positive_list(ratios, option, integers=False, example="[0.5, 0.75, 1.0, 1.25, 1.5, 1.75]")
 
 
 def view_size(h: int, w: int, scale: Sequence[int] | None, ratio: float = 1.0) -> tuple[int, int]:

@@ -35,6 +35,8 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
+from vtdense.options import positive_list
+
 __all__ = [
     "DEFAULT_MAX_SIZE",
     "DEFAULT_TEST_SCALE",
@@ -251,18 +253,7 @@ def check_test_scales(scales: Any, option: str = "test_scales") -> tuple[int, ..
     Raises:
         ValueError: not a non-empty list of positive ints; one message naming ``option`` and the value.
     """
-    if scales is None:
-        return None
-    ok = (
-        isinstance(scales, Sequence)
-        and not isinstance(scales, (str, bytes))
-        and len(scales) > 0
-        and all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in scales)
-    )
-    if not ok:
-        raise ValueError(f"{option} must be a non-empty list of positive ints (short sides), e.g. [400, 500, ..., 1200], "
-                         f"or null, got {scales!r}")
-    return tuple(int(s) for s in scales)
+    return positive_list(scales, option, integers=True, example="[400, 500, ..., 1200] (short sides)")
 
 
 class DetectionEvalViews:
