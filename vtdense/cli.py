@@ -563,7 +563,6 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
     from torch.utils.data import DataLoader
 
     from vtdense.data.ade20k import check_eval_ratios
-    from vtdense.data.transforms import check_test_scales
     from vtdense.data.coco import category_tables
     from vtdense.data.predict import (
         PredictImages,
@@ -573,6 +572,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
         list_coco_images,
         list_images,
     )
+    from vtdense.data.transforms import check_test_scales
     from vtdense.models.compile import check_compile_option
     from vtdense.tasks.predict import PredictionWriter, default_output_dir
 

@@ -25,7 +25,6 @@ The base owns what every task needs to run on several processes:
 from __future__ import annotations
 
 import copy
-
 import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
