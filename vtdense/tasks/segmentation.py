@@ -464,8 +464,8 @@ class SegmentationTask(BaseTask):
             total: list[Tensor | None] = [None] * len(out_sizes)
             for x, sizes, flipped in views:
                 logits = self(self.fill_padding(x, sizes))
-                for i, ((h, w), (mh, mw)) in enumerate(zip(sizes.tolist(), out_sizes)):
-                    p = view_probs(logits[i, :, :h, :w], flipped, 0, mh, (mh, mw))
+                for i, ((h, w), (mh, mw)) in enumerate(zip(sizes, out_sizes)):
+                    p = view_probs(logits[i, :, : int(h), : int(w)], flipped, 0, mh, (mh, mw))
                     total[i] = p if total[i] is None else total[i].add_(p)
             return [((t / len(views)).argmax(0), batch["mask"][i, :mh, :mw])
                     for i, (t, (mh, mw)) in enumerate(zip(total, out_sizes))]
