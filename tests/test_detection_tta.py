@@ -37,6 +37,10 @@ def test_views_follow_detectron2_test_aug() -> None:
     assert tuple(tgt["views"][-1]["image"].shape[-2:]) == (113, 200)  # 130 x 231 capped at 200
     plain = DetectionEvalViews(TEST_SCALE, MAX_SIZE, [TEST_SCALE])(image, target)
     assert "views" not in plain[1] and torch.equal(plain[0], ref)
+    # detectron2's TEST.AUG.MAX_SIZE: the views' own cap, so the largest scale is not capped back
+    wide = DetectionEvalViews(TEST_SCALE, MAX_SIZE, SCALES, flip=False, views_max_size=4000)(image, target)[1]["views"]
+    assert [tuple(v["image"].shape[-2:]) for v in wide] == [(80, 142), (130, 231)]
+    assert "views" not in DetectionEvalViews(TEST_SCALE, 160, None, views_max_size=4000)(image, target)[1]  # no TTA: max_size
 
 
 @pytest.mark.parametrize("bad", [[], [0], [100, -1], [1.5], "800", [True]])

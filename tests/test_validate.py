@@ -274,7 +274,7 @@ def test_predict_from_a_coco_file_writes_the_results_validate_scores(det_run: di
 
     # multi-scale + flip test-time augmentation: validate and predict with the same options agree, and
     # pycocotools gives predict's file the mAP validate reports
-    tta = ["--data.test_scales=[64, 96, 128]", "--data.test_flip=true"]
+    tta = ["--data.test_scales=[64, 96, 160]", "--data.test_flip=true", "--data.test_max_size=320"]
     coco_recipe().main(["predict", f"--ckpt_path={best}", f"--data.predict_path={info}", f"--data.predict_images={root / 'val2017'}",
                         f"--output={tmp_path / 'pred_tta'}", "--progress_bar=false", "--data.num_workers=0", *tta])
     metrics = coco_recipe().main(["validate", f"--ckpt_path={best}", "--data.batch_size=1", f"--output={tmp_path / 'val_tta'}",

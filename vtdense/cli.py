@@ -519,6 +519,9 @@ def predict_parser(prog: str | None = None) -> argparse.ArgumentParser:
                    "(default: the checkpoint's validation setting)")
     p.add_argument("--data.test_flip", dest="test_flip", type=_yaml_value, default=None,
                    help="detection: true adds horizontally flipped views (default: the checkpoint's)")
+    p.add_argument("--data.test_max_size", dest="test_max_size", type=int, default=None,
+                   help="detection: with --data.test_scales, the long-side cap of the views (detectron2: 4000; "
+                   "default: the checkpoint's, else --data.max_size)")
     p.add_argument("--size_divisibility", type=int, default=None,
                    help="detection: pad images to a multiple of this (default: the checkpoint's, 32); a coarser grid "
                    "such as 128 bounds the distinct shapes of images of many sizes")
@@ -605,12 +608,12 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
                 task.check_data_fits(category_tables(coco_categories), ns.ckpt_path)
 
         given = {k: getattr(ns, k) for k in ("test_scale", "max_size", "eval_scale", "eval_ratios", "eval_flip",
-                                             "test_scales", "test_flip") if getattr(ns, k) is not None}
+                                             "test_scales", "test_flip", "test_max_size") if getattr(ns, k) is not None}
         accepted = inspect.signature(task.predict_transform).parameters
         wrong = [f"--data.{k}" for k in given if k not in accepted]
         if wrong:
             raise ValueError(f"{', '.join(wrong)} does not apply to a {type(task).__name__} checkpoint")
-        for k in ("test_scale", "max_size"):
+        for k in ("test_scale", "max_size", "test_max_size"):
             if k in given and given[k] <= 0:
                 raise ValueError(f"--data.{k} must be a positive int, got {given[k]}")
         if "eval_scale" in given:
@@ -647,7 +650,7 @@ def run_predict(task_cls: type[LightningModule], args: list[str], prog: str | No
             info["size_divisibility"] = ns.size_divisibility
         info["preprocessing"] = {k: v for k, v in (task.datamodule_hparams or {}).items()
                                  if k in ("test_scale", "max_size", "scale", "eval_scale", "eval_ratios", "eval_flip",
-                                          "test_scales", "test_flip")} | given
+                                          "test_scales", "test_flip", "test_max_size")} | given
         writer = PredictionWriter(out_dir, info)
         trainer = Trainer(
             accelerator=DEVICES[ns.device],

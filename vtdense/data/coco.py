@@ -582,6 +582,9 @@ class COCODataModule(L.LightningDataModule):
             and the detections of all views merged by per-class NMS, Mask R-CNN's masks averaged
             (:func:`vtdense.models.detection_tta.merge_views`); ``None``: ``test_scale`` alone.
         test_flip: test-time augmentation with horizontally flipped views too.
+        test_max_size: with ``test_scales``, the long-side cap of every view instead of
+            ``max_size`` (detectron2's ``TEST.AUG.MAX_SIZE`` is 4000, so its large scales are not
+            capped back to the evaluation size); ``None``: ``max_size``.
         flip_prob: Horizontal-flip probability in training.
         train_augment: ``"multiscale"`` (short side from ``train_scales``, long side capped at
             ``max_size``), ``"multiscale_crop"`` (the same, after the DETR-style random crop of
@@ -630,6 +633,7 @@ class COCODataModule(L.LightningDataModule):
         test_scale: int = DEFAULT_TEST_SCALE,
         test_scales: list[int] | None = None,
         test_flip: bool = False,
+        test_max_size: int | None = None,
         flip_prob: float = 0.5,
         train_augment: str = "multiscale",
         crop_prob: float = 0.5,
@@ -668,6 +672,9 @@ class COCODataModule(L.LightningDataModule):
         if not isinstance(test_flip, bool):
             raise ValueError(f"COCODataModule: test_flip must be true or false, got {test_flip!r}")
         self.test_flip = test_flip
+        if test_max_size is not None and (isinstance(test_max_size, bool) or not isinstance(test_max_size, int) or test_max_size < 1):
+            raise ValueError(f"COCODataModule: test_max_size must be a positive int or null, got {test_max_size!r}")
+        self.test_max_size = test_max_size
         self.flip_prob = flip_prob
         if train_augment not in _TRAIN_AUGMENTS:
             raise ValueError(f"train_augment must be one of {list(_TRAIN_AUGMENTS)}, got {train_augment!r}")
@@ -817,7 +824,7 @@ class COCODataModule(L.LightningDataModule):
         if train:
             transforms = self._train_transforms()
         else:
-            transforms = DetectionEvalViews(self.test_scale, self.max_size, self.test_scales, self.test_flip)
+            transforms = DetectionEvalViews(self.test_scale, self.max_size, self.test_scales, self.test_flip, self.test_max_size)
         ds = COCODetection(img, ann, transforms, train=train, min_box_size=self.min_box_size,
                            max_decode_side=max(DEFAULT_MAX_DECODE_SIDE, int(self.max_size)),
                            filter_empty=train and self.filter_empty)

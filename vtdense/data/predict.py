@@ -187,10 +187,11 @@ def _as_image_tensor(image: Tensor) -> Tensor:
 
 def detection_predict_transform(
     test_scale: int = DEFAULT_TEST_SCALE, max_size: int | None = DEFAULT_MAX_SIZE,
-    scales: Sequence[int] | None = None, flip: bool = False,
+    scales: Sequence[int] | None = None, flip: bool = False, views_max_size: int | None = None,
 ) -> Callable[[Tensor], Any]:
     """The detection validation resize (short side ``test_scale``, long side at most ``max_size``),
-    with the test-time views of ``scales`` and ``flip`` (:class:`~vtdense.data.transforms.DetectionEvalViews`).
+    with the test-time views of ``scales``, ``flip`` and ``views_max_size``
+    (:class:`~vtdense.data.transforms.DetectionEvalViews`).
 
     Returns:
         A function from a ``[3, H, W]`` uint8 (0..255) or float (0..1) tensor to the float32
@@ -198,7 +199,7 @@ def detection_predict_transform(
         views, to ``(image, {"views": [{"image", "flip"}, ...]})``, whose second part
         :class:`PredictImages` puts into the target.
     """
-    transform = DetectionEvalViews(int(test_scale), None if max_size is None else int(max_size), scales, flip)
+    transform = DetectionEvalViews(int(test_scale), None if max_size is None else int(max_size), scales, flip, views_max_size)
 
     def apply(image: Tensor) -> Any:
         out, target = transform(tv_tensors.Image(_as_image_tensor(image)), {})
@@ -208,8 +209,9 @@ def detection_predict_transform(
         return out, {"views": [{"image": TF.to_dtype(v["image"], torch.float32, scale=True), "flip": v["flip"]}
                                for v in target["views"]]}
 
-    if max_size is not None:
-        apply.model_long_side = int(max_size)  # type: ignore[attr-defined]  # read by PredictImages
+    longest = views_max_size if scales is not None and views_max_size is not None else max_size
+    if longest is not None:
+        apply.model_long_side = int(longest)  # type: ignore[attr-defined]  # read by PredictImages
     return apply
 
 

@@ -262,9 +262,11 @@ class DetectionEvalViews:
 
     Args:
         test_scale: Short side of the evaluation resize.
-        max_size: Cap on the long side (``None``: no cap), for every view.
+        max_size: Cap on the long side (``None``: no cap).
         scales: Short sides of the test-time views (``None``: ``test_scale`` alone).
         flip: Also a horizontally flipped view of each scale.
+        views_max_size: With ``scales``, the long-side cap of every view instead of ``max_size``
+            (detectron2's ``TEST.AUG.MAX_SIZE``, 4000; ``None``: ``max_size``).
 
     Called on ``(image, target)`` like :func:`detection_eval_transforms`. With one view that is
     all it is. With several, the sample's image (and its target) is the unflipped view whose short
@@ -273,7 +275,10 @@ class DetectionEvalViews:
     the task merges the detections of all views (:func:`vtdense.models.detection_tta.merge_views`).
     """
 
-    def __init__(self, test_scale: int, max_size: int | None, scales: Sequence[int] | None = None, flip: bool = False) -> None:
+    def __init__(self, test_scale: int, max_size: int | None, scales: Sequence[int] | None = None, flip: bool = False,
+                 views_max_size: int | None = None) -> None:
+        if scales is not None and views_max_size is not None:
+            max_size = int(views_max_size)
         scales = check_test_scales(scales) or (int(test_scale),)
         specs = [(s, f) for s in scales for f in ((False, True) if flip else (False,))]
         base = min(range(len(specs)), key=lambda i: (abs(specs[i][0] - int(test_scale)), specs[i][1], i))

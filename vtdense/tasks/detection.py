@@ -859,12 +859,14 @@ class DetectionTask(BaseTask):
     # class names, and the files of the ``predict`` recipe subcommand.
     # ============================================================================================
     def predict_transform(self, test_scale: int | None = None, max_size: int | None = None,
-                          test_scales: Sequence[int] | None = None, test_flip: bool | None = None) -> Any:
+                          test_scales: Sequence[int] | None = None, test_flip: bool | None = None,
+                          test_max_size: int | None = None) -> Any:
         """Validation's resize and test-time views: ``test_scale`` / ``max_size`` / ``test_scales`` /
-        ``test_flip`` from the checkpoint's datamodule unless given.
+        ``test_flip`` / ``test_max_size`` from the checkpoint's datamodule unless given.
 
         Raises:
-            ValueError: ``test_scales`` is not a list of positive ints, or ``test_flip`` not a bool.
+            ValueError: ``test_scales`` is not a list of positive ints, ``test_flip`` not a bool, or
+                ``test_max_size`` not a positive int.
         """
         from vtdense.data.predict import detection_predict_transform
         from vtdense.data.transforms import DEFAULT_MAX_SIZE, DEFAULT_TEST_SCALE, check_test_scales
@@ -876,7 +878,10 @@ class DetectionTask(BaseTask):
         flip = bool(dm.get("test_flip", False)) if test_flip is None else test_flip
         if not isinstance(flip, bool):
             raise ValueError(f"test_flip must be true or false, got {flip!r}")
-        return detection_predict_transform(int(scale), None if size is None else int(size), scales, flip)
+        views_max = test_max_size if test_max_size is not None else dm.get("test_max_size")
+        if views_max is not None and (isinstance(views_max, bool) or not isinstance(views_max, int) or views_max < 1):
+            raise ValueError(f"test_max_size must be a positive int, got {views_max!r}")
+        return detection_predict_transform(int(scale), None if size is None else int(size), scales, flip, views_max)
 
     def set_size_divisibility(self, value: int | None) -> int:
         """Pad batches to multiples of ``value`` from now on (``None``: the backbone's own, 32), e.g.
@@ -918,6 +923,7 @@ class DetectionTask(BaseTask):
         max_size: int | None = None,
         test_scales: Sequence[int] | None = None,
         test_flip: bool | None = None,
+        test_max_size: int | None = None,
     ) -> list[dict[str, Any]]:
         """Detect objects in image files, folders, globs or ``[3, H, W]`` tensors.
 
@@ -927,7 +933,7 @@ class DetectionTask(BaseTask):
             batch_size: Images per forward pass (sizes may differ).
             bf16: Run the model under bfloat16 autocast (boxes and scores come back float32).
             num_workers: DataLoader workers decoding the files.
-            test_scale, max_size, test_scales, test_flip: the resize and the test-time views
+            test_scale, max_size, test_scales, test_flip, test_max_size: the resize and the test-time views
                 (:meth:`predict_transform`); by default the checkpoint's validation settings.
 
         Returns:
@@ -939,7 +945,7 @@ class DetectionTask(BaseTask):
         with self.score_threshold(score_thresh):
             return super().predict_images(images, batch_size=batch_size, bf16=bf16, num_workers=num_workers,
                                           test_scale=test_scale, max_size=max_size, test_scales=test_scales,
-                                          test_flip=test_flip)
+                                          test_flip=test_flip, test_max_size=test_max_size)
 
     def _label_name(self, label: int) -> str:
         return self.category_names.get(int(label), str(int(label)))
