@@ -126,6 +126,15 @@ def test_validation_metrics_match_pycocotools_on_written_results(coco_root: Path
         assert abs(stats[8] - metrics[f"val/{iou}_mAR100"]) < 1e-6
         for i, key in ((3, "mAP_s"), (4, "mAP_m"), (5, "mAP_l")):  # by COCO's area field, absent ranges -1 in both
             assert abs(stats[i] - metrics[f"val/{iou}_{key}"]) < 1e-6, key
+        # per-category AP as detectron2 derives it from COCOeval's precisions (IoU .50:.95, all areas, 100 dets)
+        with contextlib.redirect_stdout(io.StringIO()):
+            ev = COCOeval(coco_gt, coco_gt.loadRes(str(run / f"{iou}.json")), iou)
+            ev.evaluate()
+            ev.accumulate()
+        for k, cat in enumerate(ev.params.catIds):
+            p = ev.eval["precision"][:, :, k, 0, -1]
+            name = coco_gt.cats[int(cat)]["name"]
+            assert abs(float(np.mean(p[p > -1])) - metrics[f"val/{iou}_AP.{name}"]) < 1e-6, (iou, name)
     pngs = sorted((run / "predictions").glob("*.png"))
     assert len(pngs) == 4
     # test split writes its own files

@@ -25,8 +25,9 @@ The base owns what every task needs to run on several processes:
 from __future__ import annotations
 
 import copy
+import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,19 @@ def _sampler_of(dataloader: Any) -> Any:
     batch_sampler = getattr(dataloader, "batch_sampler", None)
     sampler = getattr(batch_sampler, "sampler", None)
     return sampler if sampler is not None else getattr(dataloader, "sampler", None)
+
+
+def format_class_table(names: Sequence[str], values: Sequence[float], title: str = "per-class IoU",
+                       column: str = "IoU") -> str:
+    """Two-column text table of a per-class metric (``nan``: not defined for that class, e.g. a
+    class absent from prediction and ground truth)."""
+    width = max([len("class"), *(len(n) for n in names)])
+    rule = "-" * (width + 12)
+    lines = [title, rule, f"{'class':<{width}}  {column:>8}", rule]
+    for n, v in zip(names, values):
+        lines.append(f"{n:<{width}}  {'nan' if math.isnan(v) else f'{v:8.4f}':>8}")
+    lines.append(rule)
+    return "\n".join(lines)
 
 
 class BaseTask(LightningModule):

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.trainer.states import TrainerFn
 from pycocotools import mask as mask_utils
 from torch import Tensor, nn
 from torchmetrics.detection import MeanAveragePrecision
@@ -44,7 +45,7 @@ from vtdense.models.detection import (HEADS, build_detector, list_heads, set_roi
 from vtdense.models.paste_masks import paste_masks
 from vtdense.models.mask_rois import check_mask_rois_multiple
 from vtdense.options import check_int, check_number
-from vtdense.tasks.base import BaseTask
+from vtdense.tasks.base import BaseTask, format_class_table
 from vtdense.tasks.optim import (
     apply_layer_decay,
     check_no_decay,
@@ -433,6 +434,7 @@ class DetectionTask(BaseTask):
             # (0.30000001 instead of 0.3), which shifts recall cut-offs and changes mAP slightly.
             iou_thresholds=COCO_IOU_THRESHOLDS,
             rec_thresholds=COCO_REC_THRESHOLDS,
+            extended_summary=True,  # COCOeval's precision array: the per-category AP, as detectron2 derives it
         )
         self.val_metrics = MeanAveragePrecision(**kwargs)
         self.test_metrics = MeanAveragePrecision(**kwargs)
@@ -790,12 +792,40 @@ class DetectionTask(BaseTask):
                 value = res.get(f"{iou}_{key}", res.get(key) if len(self.iou_types) == 1 else None)
                 if value is not None:
                     logs[f"{prefix}/{iou}_{name}"] = float(value)
+        per_category = self._per_category_ap(res)
+        for iou, table in per_category.items():  # categories without ground truth have no AP: not logged
+            logs.update({f"{prefix}/{iou}_AP.{name}": ap for name, ap in table.items() if not math.isnan(ap)})
         # every rank computed the same numbers from the same gathered records
         self.log_dict(logs, batch_size=len(records), sync_dist=True)
         if self.writes_outputs:
             vis = sorted(vis, key=lambda v: v[0])[: self.hparams["num_vis_images"]]
             self._write_outputs(prefix, self._results_json(records), vis)
+            if self.trainer.state.fn in (TrainerFn.VALIDATING, TrainerFn.TESTING):
+                for iou, table in per_category.items():
+                    title = f"per-category {iou} AP: mAP {logs.get(f'{prefix}/{iou}_mAP', float('nan')):.4f}"
+                    print(format_class_table(list(table), list(table.values()), title, column="AP"))
         return logs
+
+    def _per_category_ap(self, res: dict[str, Any]) -> dict[str, dict[str, float]]:
+        """Per IoU type, each category's AP (IoU 0.50:0.95, all areas, 100 detections) from
+        COCOeval's precision array, as detectron2 derives it: the mean of the precisions defined
+        (``nan`` for a category without ground truth). Keyed by category name (its COCO id where
+        it has none), in category id order."""
+        classes = [int(c) for c in res.get("classes", torch.zeros(0)).tolist()]
+        names = {self.label_to_category_id.get(k, k): self.category_names.get(k, str(self.label_to_category_id.get(k, k)))
+                 for k in set(self.label_to_category_id) | set(self.category_names)}
+        out: dict[str, dict[str, float]] = {}
+        for iou in self.iou_types:
+            precision = res.get(f"{iou}_precision", res.get("precision") if len(self.iou_types) == 1 else None)
+            if precision is None or precision.ndim != 5 or precision.shape[2] != len(classes):
+                continue
+            table = {}
+            for k, cat in enumerate(classes):
+                p = precision[:, :, k, 0, -1]
+                p = p[p > -1]
+                table[names.get(cat, str(cat))] = float(p.float().mean()) if p.numel() else float("nan")
+            out[iou] = table
+        return out
 
     def _write_outputs(self, prefix: str, results: dict[str, list[dict[str, Any]]], vis: list[tuple[int, Tensor]]) -> None:
         """Results JSON and prediction PNGs (rank 0 only; no collective)."""

@@ -40,7 +40,7 @@ from vtdense.models.segmentation import (
     logits_at,
 )
 from vtdense.options import check_int, check_number
-from vtdense.tasks.base import BaseTask
+from vtdense.tasks.base import BaseTask, format_class_table
 from vtdense.tasks.optim import (
     adamw,
     apply_layer_decay,
@@ -77,17 +77,6 @@ def color_palette(num_classes: int) -> np.ndarray:
             c >>= 3
         palette[k] = (r, g, b)
     return palette
-
-
-def format_class_table(names: Sequence[str], ious: Sequence[float], title: str = "per-class IoU") -> str:
-    """Two-column text table of per-class IoU (``nan``: class absent from prediction and ground truth)."""
-    width = max([len("class"), *(len(n) for n in names)])
-    rule = "-" * (width + 12)
-    lines = [title, rule, f"{'class':<{width}}  {'IoU':>8}", rule]
-    for n, v in zip(names, ious):
-        lines.append(f"{n:<{width}}  {'nan' if math.isnan(v) else f'{v:8.4f}':>8}")
-    lines.append(rule)
-    return "\n".join(lines)
 
 
 class SegmentationTask(BaseTask):
