@@ -102,7 +102,10 @@ def test_miou_equals_hand_computation(tmp_path: Path) -> None:
     assert metrics["val/mIoU"] == pytest.approx(by_hand, abs=1e-6)
     assert metrics["val/aAcc"] == pytest.approx(4 / 6, abs=1e-6)
     assert metrics["val/IoU.class_1"] == pytest.approx(2 / 3, abs=1e-6)
+    # mmseg's mAcc: per class, correct over labelled pixels (0: 1/2, 1: 2/2, 2: 1/2; 3 has none: left out)
+    assert metrics["val/mAcc"] == pytest.approx((1 / 2 + 1 + 1 / 2) / 3, abs=1e-6)
     out = json.loads((Path(trainer.log_dir) / "metrics.json").read_text())
+    assert out["per_class_acc"] == {"class_0": 0.5, "class_1": 1.0, "class_2": 0.5, "class_3": None}
     assert out["mIoU"] == pytest.approx(by_hand, abs=1e-6)
     assert out["per_class_iou"]["class_0"] == pytest.approx(1 / 3, abs=1e-6)
     assert out["per_class_iou"]["class_3"] is None

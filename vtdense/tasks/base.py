@@ -119,14 +119,17 @@ def _sampler_of(dataloader: Any) -> Any:
 
 
 def format_class_table(names: Sequence[str], values: Sequence[float], title: str = "per-class IoU",
-                       column: str = "IoU") -> str:
-    """Two-column text table of a per-class metric (``nan``: not defined for that class, e.g. a
-    class absent from prediction and ground truth)."""
+                       column: str = "IoU", more: Mapping[str, Sequence[float]] | None = None) -> str:
+    """Text table of a per-class metric, and of ``more`` columns (header -> values) after it
+    (``nan``: not defined for that class, e.g. a class absent from prediction and ground truth)."""
+    columns = {column: list(values), **{k: list(v) for k, v in (more or {}).items()}}
     width = max([len("class"), *(len(n) for n in names)])
-    rule = "-" * (width + 12)
-    lines = [title, rule, f"{'class':<{width}}  {column:>8}", rule]
-    for n, v in zip(names, values):
-        lines.append(f"{n:<{width}}  {'nan' if math.isnan(v) else f'{v:8.4f}':>8}")
+    rule = "-" * (width + 2 + 10 * len(columns))
+    header = "".join(f"  {c:>8}" for c in columns)
+    lines = [title, rule, f"{'class':<{width}}{header}", rule]
+    for i, n in enumerate(names):
+        cells = "".join(f"  {'nan' if math.isnan(v[i]) else f'{v[i]:8.4f}':>8}" for v in columns.values())
+        lines.append(f"{n:<{width}}{cells}")
     lines.append(rule)
     return "\n".join(lines)
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from PIL import Image
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
-from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex
+from torchmetrics.classification import MulticlassAccuracy, MulticlassJaccardIndex, MulticlassStatScores
 
 from vtdense.models.compile import check_compile_option
 from vtdense.models.segmentation import (
@@ -284,13 +284,15 @@ class SegmentationTask(BaseTask):
         return total / max(1, mask.numel())
 
     def configure_metrics(self) -> None:
-        """mIoU (macro JaccardIndex), per-class IoU and pixel accuracy, all ignoring ``ignore_index``."""
+        """mIoU (macro JaccardIndex), per-class IoU, pixel accuracy and the per-class counts of
+        mmseg's per-class accuracy (``mAcc``), all ignoring ``ignore_index``."""
         c, ig = self.hparams.num_classes, self.hparams.ignore_index
         self.val_miou = MulticlassJaccardIndex(num_classes=c, ignore_index=ig, average="macro")
         self.val_class_iou = MulticlassJaccardIndex(
             num_classes=c, ignore_index=ig, average="none", zero_division=float("nan")
         )
         self.val_acc = MulticlassAccuracy(num_classes=c, ignore_index=ig, average="micro")
+        self.val_class_stats = MulticlassStatScores(num_classes=c, ignore_index=ig, average="none")
 
     @property
     def class_names(self) -> list[str]:
@@ -502,6 +504,7 @@ class SegmentationTask(BaseTask):
             self.val_miou.update(pred, mask)
             self.val_class_iou.update(pred, mask)
             self.val_acc.update(pred, mask)
+            self.val_class_stats.update(pred, mask)
             if len(self._vis) < self.hparams.num_vis and not self.trainer.sanity_checking:
                 self._vis.append((pos, self._visual(batch["image"][i], batch["image_size"][i], pred, mask)))
 
@@ -510,13 +513,16 @@ class SegmentationTask(BaseTask):
         ``test``; the two loops never run at once, so they share the metric states)."""
         # compute() synchronises the metric states across ranks: every rank calls it.
         miou, acc, per_class = self.val_miou.compute(), self.val_acc.compute(), self.val_class_iou.compute()
-        self.val_miou.reset()
-        self.val_acc.reset()
-        self.val_class_iou.reset()
+        stats = self.val_class_stats.compute()  # per class: tp, fp, tn, fn, support
+        # mmseg's per-class accuracy: correct over labelled pixels of the class; a class without any is left out
+        class_acc = torch.where(stats[:, 4] > 0, stats[:, 0].double() / stats[:, 4].clamp(min=1), float("nan"))
+        macc = class_acc.nanmean() if bool((stats[:, 4] > 0).any()) else torch.tensor(float("nan"))
+        for metric in (self.val_miou, self.val_acc, self.val_class_iou, self.val_class_stats):
+            metric.reset()
         vis = [v for part in self.gather(self._vis) for v in part]
         self._vis = []
         names = self.class_names
-        logs = {f"{prefix}/aAcc": acc}
+        logs = {f"{prefix}/aAcc": acc, f"{prefix}/mAcc": macc.float()}
         logs.update({f"{prefix}/IoU.{n}": v for n, v in zip(names, per_class)})
         self.log_dict(logs, batch_size=1, sync_dist=True)
         self.log(f"{prefix}/mIoU", miou, batch_size=1, prog_bar=True, sync_dist=True)
@@ -525,7 +531,9 @@ class SegmentationTask(BaseTask):
             "step": int(self.global_step),
             "mIoU": float(miou),
             "aAcc": float(acc),
+            "mAcc": None if math.isnan(float(macc)) else float(macc),
             "per_class_iou": {n: (None if math.isnan(float(v)) else float(v)) for n, v in zip(names, per_class)},
+            "per_class_acc": {n: (None if math.isnan(float(v)) else float(v)) for n, v in zip(names, class_acc)},
         }
         if self.writes_outputs:
             stem = "" if prefix == "val" else f"{prefix}_"
@@ -542,10 +550,15 @@ class SegmentationTask(BaseTask):
             self.print_class_table(title="per-class IoU (last epoch)")
 
     def print_class_table(self, title: str = "per-class IoU") -> None:
-        """Print the per-class IoU table of the last validation."""
+        """Print the per-class IoU (and accuracy) table of the last validation, as mmseg prints it."""
         m = self.last_metrics
         values = [float("nan") if v is None else v for v in m["per_class_iou"].values()]
-        print(format_class_table(list(m["per_class_iou"]), values, f"{title}: mIoU {m['mIoU']:.4f}, aAcc {m['aAcc']:.4f}"))
+        accs = m.get("per_class_acc")
+        more = {"Acc": [float("nan") if v is None else v for v in accs.values()]} if accs else None
+        summary = f"{title}: mIoU {m['mIoU']:.4f}, aAcc {m['aAcc']:.4f}"
+        if m.get("mAcc") is not None:
+            summary += f", mAcc {m['mAcc']:.4f}"
+        print(format_class_table(list(m["per_class_iou"]), values, summary, more=more))
 
     # ---------------------------------------------------------------- outputs
     def _visual(self, image: Tensor, image_size: Tensor, pred: Tensor, mask: Tensor) -> np.ndarray:
