@@ -65,6 +65,7 @@ from vtdense.data.transforms import (
     drop_degenerate_instances,
 )
 from vtdense.distributed import destroy_process_group_at_exit
+from vtdense.options import check_int
 
 __all__ = [
     "DEFAULT_MAX_DECODE_SIDE",
@@ -672,8 +673,7 @@ class COCODataModule(L.LightningDataModule):
         if not isinstance(test_flip, bool):
             raise ValueError(f"COCODataModule: test_flip must be true or false, got {test_flip!r}")
         self.test_flip = test_flip
-        if test_max_size is not None and (isinstance(test_max_size, bool) or not isinstance(test_max_size, int) or test_max_size < 1):
-            raise ValueError(f"COCODataModule: test_max_size must be a positive int or null, got {test_max_size!r}")
+        check_int("test_max_size", test_max_size, optional=True)
         self.test_max_size = test_max_size
         self.flip_prob = flip_prob
         if train_augment not in _TRAIN_AUGMENTS:

@@ -285,7 +285,6 @@ class DetectionEvalViews:
         #: (short side, flipped) of every view, the sample's own first
         self.specs: list[tuple[int, bool]] = [specs[base]] + specs[:base] + specs[base + 1 :]
         self.resizes = {s: detection_eval_transforms(s, max_size) for s in scales}
-        self.max_size = max_size
 
     def __call__(self, image: Any, target: Any) -> tuple[Any, Any]:
         """``(image, target)`` resized as the first view, with ``target["views"]`` when there are others."""

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torchvision.models.detection.generalized_rcnn import GeneralizedRCNN
 from torchvision.models.detection.roi_heads import maskrcnn_inference
-from torchvision.ops import batched_nms
+from torchvision.ops import batched_nms, clip_boxes_to_image
 
 from vtdense.models.detection import unpasted_masks
 
@@ -32,22 +32,23 @@ def _nms_settings(detector: nn.Module) -> tuple[float, int]:
     return float(holder.nms_thresh), int(holder.detections_per_img)
 
 
+def _hflip(boxes: Tensor, width: float) -> Tensor:
+    """XYXY boxes mirrored in an image ``width`` pixels wide."""
+    return torch.stack((width - boxes[:, 2], boxes[:, 1], width - boxes[:, 0], boxes[:, 3]), dim=1)
+
+
 def _to_frame(boxes: Tensor, view_size: Sequence[int], frame_size: Sequence[int], flipped: bool) -> Tensor:
     """Boxes ``(N, 4)`` XYXY in a view's pixels -> the frame's: unflipped, then scaled per axis."""
     (vh, vw), (fh, fw) = view_size, frame_size
-    if flipped:
-        boxes = torch.stack((vw - boxes[:, 2], boxes[:, 1], vw - boxes[:, 0], boxes[:, 3]), dim=1)
-    scale = boxes.new_tensor([fw / vw, fh / vh, fw / vw, fh / vh])
-    return boxes * scale
+    boxes = _hflip(boxes, vw) if flipped else boxes
+    return boxes * boxes.new_tensor([fw / vw, fh / vh, fw / vw, fh / vh])
 
 
 def _to_view(boxes: Tensor, frame_size: Sequence[int], view_size: Sequence[int], flipped: bool) -> Tensor:
     """The inverse of :func:`_to_frame`: frame boxes -> a view's pixels (scaled, then flipped)."""
     (fh, fw), (vh, vw) = frame_size, view_size
     boxes = boxes * boxes.new_tensor([vw / fw, vh / fh, vw / fw, vh / fh])
-    if flipped:
-        boxes = torch.stack((vw - boxes[:, 2], boxes[:, 1], vw - boxes[:, 0], boxes[:, 3]), dim=1)
-    return boxes
+    return _hflip(boxes, vw) if flipped else boxes
 
 
 def _mask_probs(detector: GeneralizedRCNN, images: list[Tensor], boxes: list[Tensor], labels: list[Tensor]) -> list[Tensor]:
@@ -94,9 +95,7 @@ def merge_views(detector: nn.Module, views: Sequence[Sequence[View]]) -> list[di
     nms_thresh, keep_top = _nms_settings(detector)
     merged = []
     for (fh, fw), parts in zip(frames, found):
-        boxes = torch.cat([p[0] for p in parts])
-        boxes = torch.stack((boxes[:, 0].clamp(0, fw), boxes[:, 1].clamp(0, fh), boxes[:, 2].clamp(0, fw),
-                             boxes[:, 3].clamp(0, fh)), dim=1)
+        boxes = clip_boxes_to_image(torch.cat([p[0] for p in parts]), (fh, fw))
         scores, labels = torch.cat([p[1] for p in parts]), torch.cat([p[2] for p in parts])
         keep = batched_nms(boxes, scores, labels, nms_thresh)[:keep_top]
         merged.append({"boxes": boxes[keep], "scores": scores[keep], "labels": labels[keep]})

@@ -909,8 +909,7 @@ class DetectionTask(BaseTask):
         if not isinstance(flip, bool):
             raise ValueError(f"test_flip must be true or false, got {flip!r}")
         views_max = test_max_size if test_max_size is not None else dm.get("test_max_size")
-        if views_max is not None and (isinstance(views_max, bool) or not isinstance(views_max, int) or views_max < 1):
-            raise ValueError(f"test_max_size must be a positive int, got {views_max!r}")
+        check_int("test_max_size", views_max, optional=True)
         return detection_predict_transform(int(scale), None if size is None else int(size), scales, flip, views_max)
 
     def set_size_divisibility(self, value: int | None) -> int:
