@@ -8,7 +8,7 @@ attributes declared here, never by running a dummy image.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from vtdense.layers.plain import hooks_below
 from vtdense.layers.tracing import exporting, functorch_transform, tracing
 from vtdense.layers.windows import ceil_div
 
-__all__ = ["Backbone", "run_blocks", "cpu_channels_last", "set_compile_regions"]
+__all__ = ["Backbone", "FeatureInfo", "run_blocks", "cpu_channels_last", "set_compile_regions"]
 
 #: Whether compiled graphs trace each block as a nested compile region (:func:`set_compile_regions`).
 _COMPILE_REGIONS = True
@@ -117,6 +117,65 @@ def run_blocks(blocks: Iterable[nn.Module], x: Tensor, grad_checkpointing: bool 
     return x
 
 
+class FeatureInfo:
+    """What each stage of a backbone emits, in timm's ``feature_info`` form, for code written
+    against timm's ``features_only`` models (``backbone.feature_info.channels()``).
+
+    ``info`` holds one dict per built stage: ``num_chs`` (channels), ``reduction`` (stride to the
+    input), ``module`` (the stage's name in ``named_modules()``, the module whose output is that
+    stage's map, channels-last) and ``index`` (the stage index). ``out_indices`` are the stages
+    the backbone returns. The accessors answer for those stages, or with ``idx`` for the stage
+    index (an int) or indices (a list or tuple) given, whether returned or not.
+    """
+
+    def __init__(self, info: list[dict], out_indices: Iterable[int]) -> None:
+        self.info = [dict(d) for d in info]
+        self.out_indices = tuple(int(i) for i in out_indices)
+
+    def from_other(self, out_indices: Iterable[int]) -> "FeatureInfo":
+        """The same stages, with other ``out_indices``."""
+        return FeatureInfo(self.info, out_indices)
+
+    def _rows(self, idx: int | Iterable[int] | None) -> list[dict] | dict:
+        if idx is None:
+            return [self.info[i] for i in self.out_indices]
+        if isinstance(idx, int):
+            return self.info[idx]
+        return [self.info[i] for i in idx]
+
+    def get(self, key: str, idx: int | Iterable[int] | None = None) -> Any:
+        """``key`` of the returned stages (``idx=None``), of stage ``idx``, or of stages ``idx``."""
+        rows = self._rows(idx)
+        return rows[key] if isinstance(rows, dict) else [r[key] for r in rows]
+
+    def get_dicts(self, keys: Iterable[str] | None = None, idx: int | Iterable[int] | None = None) -> Any:
+        """The stages' dicts (only ``keys`` where given), selected as in :meth:`get`."""
+        rows = self._rows(idx)
+        pick = (lambda r: r) if keys is None else (lambda r: {k: r[k] for k in keys})  # noqa: E731
+        return pick(rows) if isinstance(rows, dict) else [pick(r) for r in rows]
+
+    def channels(self, idx: int | Iterable[int] | None = None) -> Any:
+        """Channels (``num_chs``), selected as in :meth:`get`."""
+        return self.get("num_chs", idx)
+
+    def reduction(self, idx: int | Iterable[int] | None = None) -> Any:
+        """Strides to the input (``reduction``), selected as in :meth:`get`."""
+        return self.get("reduction", idx)
+
+    def module_name(self, idx: int | Iterable[int] | None = None) -> Any:
+        """Module names (``module``), selected as in :meth:`get`."""
+        return self.get("module", idx)
+
+    def __getitem__(self, item: int) -> dict:
+        return self.info[item]
+
+    def __len__(self) -> int:
+        return len(self.info)
+
+    def __repr__(self) -> str:
+        return f"FeatureInfo({self.info}, out_indices={self.out_indices})"
+
+
 class Backbone(nn.Module):
     """Abstract base of vtdense backbones.
 
@@ -127,6 +186,8 @@ class Backbone(nn.Module):
         size_divisibility: padding multiple the model prefers (inputs of any size work).
         in_chans: number of input channels.
         out_indices: stage indices (0-based) whose outputs are returned.
+        stage_channels, stage_strides: channels and stride of every built stage's output
+            (stages up to the last of ``out_indices`` are built).
     """
 
     out_names: list[str]
@@ -136,6 +197,8 @@ class Backbone(nn.Module):
     in_chans: int = 3
 
     out_indices: tuple[int, ...]
+    stage_channels: list[int]
+    stage_strides: list[int]
 
     def __init__(self) -> None:
         super().__init__()
@@ -198,6 +261,16 @@ class Backbone(nn.Module):
             name: {"channels": c, "stride": s}
             for name, c, s in zip(self.out_names, self.out_channels, self.out_strides)
         }
+
+    @property
+    def feature_info(self) -> FeatureInfo:
+        """The stages' channels, strides and module names in timm's ``feature_info`` form
+        (:class:`FeatureInfo`): ``backbone.feature_info.channels()`` equals ``out_channels`` and
+        ``reduction()`` ``out_strides``, as for timm's ``features_only`` model of the same network."""
+        names = {id(m): n for n, m in self.named_modules()}
+        info = [dict(num_chs=c, reduction=s, module=names[id(m)], index=i)
+                for i, (m, c, s) in enumerate(zip(self.stage_modules(), self.stage_channels, self.stage_strides))]
+        return FeatureInfo(info, self.out_indices)
 
     def check_input(self, x: Tensor) -> None:
         """Raise one clear error for inputs the backbone cannot take."""

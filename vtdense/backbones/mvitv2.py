@@ -580,9 +580,11 @@ class MViTv2(Backbone):
             self.stages.append(MViTv2Stage(blocks, grad_checkpointing))
             stage_out.append(dim)
 
+        self.stage_channels = stage_out
+        self.stage_strides = [4 * 2**i for i in range(num_stages)]
         self.out_names = [f"stage{i + 1}" for i in out_indices]
         self.out_channels = [stage_out[i] for i in out_indices]
-        self.out_strides = [4 * 2**i for i in out_indices]
+        self.out_strides = [self.stage_strides[i] for i in out_indices]
         self.size_divisibility = 4 * 2 ** (n - 1)
         self.out_norms = (
             nn.ModuleDict({k: _layer_norm(c) for k, c in zip(self.out_names, self.out_channels)}) if out_norm else None

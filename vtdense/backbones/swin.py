@@ -605,9 +605,11 @@ class SwinTransformer(Backbone):
                     drop_path=rates[sum(depths[:i]) : sum(depths[: i + 1])],
                 )
             )
+        self.stage_channels = dims[:num_stages]
+        self.stage_strides = [patch_size * 2**i for i in range(num_stages)]
         self.out_names = [f"stage{i + 1}" for i in out_indices]
-        self.out_channels = [dims[i] for i in out_indices]
-        self.out_strides = [patch_size * 2**i for i in out_indices]
+        self.out_channels = [self.stage_channels[i] for i in out_indices]
+        self.out_strides = [self.stage_strides[i] for i in out_indices]
         self.size_divisibility = patch_size * 2 ** (len(depths) - 1)
         self.out_norms = (
             nn.ModuleDict({n: nn.LayerNorm(c) for n, c in zip(self.out_names, self.out_channels)}) if out_norm else None
