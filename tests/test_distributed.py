@@ -174,6 +174,17 @@ def test_segmentation_metrics_two_processes_equal_one(ade5: Path, tmp_path: Path
     assert names(one) == names(two) == ["val_000.png", "val_001.png", "val_002.png"]
 
 
+def test_backbone_finetuning_trains_one_backbone_on_every_rank(ade5: Path, tmp_path: Path) -> None:
+    """Lightning's ``BackboneFinetuning`` under DDP: the backbone, frozen when DDP wrapped the model and
+    trained from epoch 1, gets the gradients averaged over the processes (DDP only averages what trained
+    when it wrapped the model; Lightning issue #20340), so both ranks hold the same trained weights."""
+    two = _run(tmp_path, "segmentation", ade5, 2, "--fit_steps", "3", "--finetune_at", "1", "--no_validate")
+    before, *ranks = two["backbone_checksums"]
+    assert two["world"] == 2 and len(ranks) == 2 and two["backbone_trainable"]
+    assert ranks[0] != before  # the backbone trained
+    assert ranks[0] == ranks[1]  # the same on both ranks
+
+
 def test_coco_recipe_ddp_bf16_writes_what_one_process_writes(coco5: Path, tmp_path: Path) -> None:
     """The issue's command shape: recipe, 2 gloo processes, DDP, bf16-mixed, fit then validate."""
     from tests.test_recipe_coco import tiny_args  # the demo config shrunk to 64 px

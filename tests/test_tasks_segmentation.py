@@ -212,8 +212,9 @@ def test_optimizer_groups_and_layer_decay() -> None:
     assert all(v == top for k, v in ids.items() if k.startswith("out_norms."))
     optimizer = task.configure_optimizers()["optimizer"]
     lr_of, wd_of, ndim = {}, {}, {}
+    names = {id(p): n for n, p in task.named_parameters()}
     for g in optimizer.param_groups:
-        for n, p in zip(g["param_names"], g["params"]):
+        for n, p in ((names[id(p)], p) for p in g["params"]):
             lr_of[n], wd_of[n], ndim[n] = g["lr"], g["weight_decay"], p.ndim
     assert len(lr_of) == sum(1 for p in task.parameters() if p.requires_grad)
     pe = next(n for n in lr_of if n.startswith("model.encoder.backbone.patch_embed") and n.endswith("weight"))

@@ -91,6 +91,9 @@ def main() -> None:
     p.add_argument("--then_validate_only", action="store_true",
                    help="then validate the untrained task (no --fit_steps, no --load_weights) under DDP in these "
                         "processes (reported under 'validate_only')")
+    p.add_argument("--finetune_at", type=int, default=None,
+                   help="fit with Lightning's BackboneFinetuning unfreezing the backbone at this epoch; reports every "
+                        "rank's backbone checksum before and after")
     p.add_argument("--root_dir", required=True)
     p.add_argument("--out", required=True)
     a = p.parse_args()
@@ -110,8 +113,13 @@ def main() -> None:
             from lightning.pytorch.plugins.precision import MixedPrecision
 
             options.update(precision=None, plugins=[MixedPrecision("16-mixed", "cpu")])
+        callbacks = []
+        if a.finetune_at is not None:
+            from lightning.pytorch.callbacks import BackboneFinetuning
+
+            callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=a.finetune_at))
         return L.Trainer(
-            devices=a.devices, num_nodes=a.num_nodes, **options,
+            devices=a.devices, num_nodes=a.num_nodes, **options, callbacks=callbacks,
             default_root_dir=root_dir, max_steps=max(fit_steps, 1), num_sanity_val_steps=0,
             enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
             limit_val_batches=0 if fit_steps else None,
@@ -131,6 +139,7 @@ def main() -> None:
             _RANK.append(trainer.global_rank)
         if a.load_weights and fit:
             model.load_state_dict(torch.load(a.load_weights, weights_only=True))
+        before_fit = _checksum(model.backbone) if a.finetune_at is not None else None
         if a.fit_steps and fit:
             trainer.fit(model, datamodule=dm)
             trainer.limit_val_batches = 1.0
@@ -145,7 +154,10 @@ def main() -> None:
                 "scaler": type(scaler).__name__ if scaler is not None else None,
                 "scale": float(scaler.get_scale()) if scaler is not None else None,
                 "dp_size": trainer.strategy.device_mesh["data_parallel"].size() if strategy == "fsdp" and world > 1 else None,
-                "global_zero": trainer.is_global_zero}
+                "global_zero": trainer.is_global_zero,
+                "backbone_checksums": None if before_fit is None else [
+                    before_fit, *trainer.strategy.all_gather(torch.tensor(_checksum(model.backbone), dtype=torch.float64)).reshape(-1).tolist()],
+                "backbone_trainable": None if before_fit is None else all(p.requires_grad for p in model.backbone.parameters())}
 
     eager_checksum = None
     if a.compare_eager:

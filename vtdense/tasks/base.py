@@ -47,6 +47,13 @@ from vtdense.layers.mlp import DEFAULT_RECOMPUTE_MIN_BYTES, set_activation_recom
 from vtdense.layers.scoped import is_auto_switch
 from vtdense.layers.triton_window_attention import set_triton_window_attention
 from vtdense.models.compile import check_compile_option, compile_backbone, is_compiled
+from vtdense.tasks.finetuning import (
+    check_finetuning_callbacks,
+    frozen_backbone_param_ids,
+    sync_unwrapped_grads,
+    train_optimized_params,
+    trainable_param_ids,
+)
 from vtdense.tasks.fault import (
     NONFINITE_POLICIES,
     AtomicCheckpointIO,
@@ -154,6 +161,7 @@ class BaseTask(LightningModule):
         self._run_dir: Path | None = None
         self._eval_position = 0
         self._nonfinite_skipped = 0
+        self._wrapped_params: frozenset[int] | None = None  # what DDP all-reduces (see finetuning)
 
     @staticmethod
     def check_recompute_option(min_bytes: int | None) -> None:
@@ -237,6 +245,29 @@ class BaseTask(LightningModule):
         owns the parameters outside the transformer blocks (default: ``[self.model]``)."""
         return [self.model] if self.model is not None else []
 
+    def backbone_part(self) -> torch.nn.Module:
+        """The vtdense backbone inside the built network (subclasses say where it is)."""
+        raise NotImplementedError
+
+    @property
+    def backbone(self) -> torch.nn.Module:
+        """The vtdense backbone inside the network (a detector's ``model.backbone.body``, a
+        segmentor's ``model.encoder.backbone``): the part Lightning's ``BackboneFinetuning``
+        freezes and later trains (see :mod:`vtdense.tasks.finetuning`). A network that waits for
+        the datamodule's class count is built first, when the task is attached to a trainer.
+
+        Raises:
+            RuntimeError: the network is not built and no trainer's datamodule can build it.
+        """
+        if self.model is None and self._trainer is not None:
+            self.build_from_datamodule(getattr(self._trainer, "datamodule", None))
+        if self.model is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no network yet: its class count comes from the datamodule, so it is built "
+                "when a trainer runs it (or pass num_classes)"
+            )
+        return self.backbone_part()
+
     def configure_model(self) -> None:
         """Lightning's hook, called once the model is built and before the strategy wraps it.
 
@@ -253,10 +284,15 @@ class BaseTask(LightningModule):
           fitting starts calls it before (Lightning's ``WeightAveraging`` / ``EMAWeightAveraging``),
           and must copy the whole network.
 
+        - Record which parameters need a gradient: Lightning calls this hook last before DDP wraps
+          the model, and DDP all-reduces those; :meth:`on_after_backward` averages the others that
+          train later (a backbone a fine-tuning callback unfreezes).
+
         Idempotent.
         """
         if self.model is None and self._trainer is not None:
             self.build_from_datamodule(getattr(self._trainer, "datamodule", None))
+        self._wrapped_params = trainable_param_ids(self)
         self._recopy_for_swa()
         min_bytes = self.hparams.get("activation_recompute_min_bytes")
         set_activation_recompute(bool(self.hparams.get("activation_recompute", True)),
@@ -279,6 +315,7 @@ class BaseTask(LightningModule):
             dm_hparams = getattr(getattr(self.trainer, "datamodule", None), "hparams", None)
             if stage == "fit" and dm_hparams:  # predict_images after fit resizes as this validation does
                 self.datamodule_hparams = _public(dm_hparams)
+            check_finetuning_callbacks(self.trainer)
             strategy = self.trainer.strategy
             if type(strategy.checkpoint_io) is TorchCheckpointIO:
                 strategy.checkpoint_io = AtomicCheckpointIO()
@@ -291,6 +328,10 @@ class BaseTask(LightningModule):
         datasets' ``skip_file`` there, so images skipped at load time in any DataLoader worker of
         any rank are appended to the same report.
         """
+        if self.trainer.ckpt_path is not None:
+            # A resumed fine-tuning callback restored its optimizer groups but froze their parameters
+            # again in its setup (see vtdense.tasks.finetuning): what an optimizer holds trains.
+            train_optimized_params(self.trainer.optimizers, frozen_backbone_param_ids(self))
         fit_loop = self.trainer.fit_loop
         if self.trainer.ckpt_path is not None and getattr(fit_loop, "_combined_loader", None) is not None:
             # Resuming. ``configure_optimizers`` asked for ``trainer.estimated_stepping_batches``, which
@@ -314,6 +355,21 @@ class BaseTask(LightningModule):
         self.trainer.strategy.barrier("vtdense_skip_report")  # every rank: the report exists before appends
         for d in datasets:
             d.skip_file = self.run_dir / SKIP_REPORT_NAME
+
+    def on_train_epoch_start(self) -> None:
+        """Keep the backbones' ``frozen_stages`` frozen after a fine-tuning callback, which runs
+        first, made the whole backbone trainable."""
+        from vtdense.backbones.base import Backbone
+
+        for m in self.modules():
+            if isinstance(m, Backbone) and m.frozen_stages >= 0:
+                m.train(m.training)
+
+    def on_after_backward(self) -> None:
+        """Under DDP, average the gradients of the parameters DDP does not (those frozen when it
+        wrapped the model and trained since: :func:`vtdense.tasks.finetuning.sync_unwrapped_grads`).
+        Every process calls it after each backward."""
+        sync_unwrapped_grads(self, self._wrapped_params, self._trainer)
 
     def on_train_start(self) -> None:
         """After a resume, step with the AdamW / SGD implementation chosen for this run (see

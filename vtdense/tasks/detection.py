@@ -48,6 +48,7 @@ from vtdense.options import check_int, check_number
 from vtdense.tasks.base import BaseTask, format_class_table
 from vtdense.tasks.optim import (
     apply_layer_decay,
+    StepLambdaLR,
     check_no_decay,
     check_optimizer,
     check_schedule_numbers,
@@ -552,8 +553,12 @@ class DetectionTask(BaseTask):
             milestones=milestones,
             gamma=hp["lr_gamma"],
         )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+        scheduler = StepLambdaLR(optimizer, fn)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def backbone_part(self) -> nn.Module:
+        """The vtdense backbone: ``model.backbone.body`` (the FPN is ``model.backbone.fpn``)."""
+        return self._detector.backbone.body
 
     @property
     def _detector(self) -> nn.Module:

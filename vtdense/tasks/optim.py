@@ -14,6 +14,7 @@ __all__ = [
     "NO_DECAY_KEYWORDS",
     "NO_DECAY_RULES",
     "OPTIMIZERS",
+    "StepLambdaLR",
     "adamw",
     "apply_layer_decay",
     "check_no_decay",
@@ -107,6 +108,17 @@ def param_groups(
             }
         )
     return out
+
+
+class StepLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` over the optimizer's groups when it was made; a group added later keeps the rate
+    it is given. Lightning's ``BackboneFinetuning`` adds the unfrozen backbone's group and sets its
+    rate itself at every epoch; since torch 2.11 a plain ``LambdaLR`` stops at the next step there
+    ("zip() argument 2 is shorter than argument 1")."""
+
+    def get_lr(self) -> list[float]:
+        scheduled = list(super().get_lr())
+        return scheduled + [g["lr"] for g in self.optimizer.param_groups[len(scheduled):]]
 
 
 def warmup_schedule(

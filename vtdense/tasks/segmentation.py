@@ -43,6 +43,7 @@ from vtdense.options import check_int, check_number
 from vtdense.tasks.base import BaseTask, format_class_table
 from vtdense.tasks.optim import (
     adamw,
+    StepLambdaLR,
     apply_layer_decay,
     check_no_decay,
     check_schedule_numbers,
@@ -250,6 +251,10 @@ class SegmentationTask(BaseTask):
         self.hparams.num_classes = n  # saved in checkpoints, so load_from_checkpoint builds the same model
         self.build()
 
+    def backbone_part(self) -> torch.nn.Module:
+        """The vtdense backbone: ``model.encoder.backbone`` (SMP's encoder wraps it)."""
+        return self.model.encoder.backbone
+
     # ------------------------------------------------------------------ build
     def configure_models(self) -> None:
         """Build the SMP model and the optional auxiliary head."""
@@ -397,6 +402,7 @@ class SegmentationTask(BaseTask):
             groups = apply_layer_decay(groups, self.model.encoder.backbone, _BACKBONE_PREFIX, h.layer_decay)
         for g in groups:
             g["lr"] = h.lr * g.get("lr_mult", 1.0)
+            g.pop("param_names", None)  # (torch then takes groups added later, e.g. by BackboneFinetuning)
         optimizer = adamw(
             groups, fused=h.get("fused_optimizer"), trainer=self._trainer, lr=h.lr, betas=tuple(h.betas),
             weight_decay=h.weight_decay,
@@ -415,7 +421,7 @@ class SegmentationTask(BaseTask):
                 min_factor=h.min_lr_factor,
             )
 
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        scheduler = StepLambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------- validation
