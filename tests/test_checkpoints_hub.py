@@ -134,8 +134,8 @@ def test_missing_from_offline_cache_is_one_clear_error(hub_cache, tmp_path: Path
         vtdense.create_backbone("swin_tiny", pretrained="timm/not_cached", **TINY)
     with pytest.raises(CheckpointError, match="checkpoint file not found: weights/nope.pth"):
         vtdense.create_backbone("swin_tiny", pretrained="weights/nope.pth", **TINY)
-    with pytest.raises(ValueError, match="no default weights"):
-        vtdense.create_backbone("swin_tiny", pretrained=True)
+    with pytest.raises(CheckpointError, match=r"timm/swin_tiny_patch4_window7_224\.ms_in1k.*HF_HUB_OFFLINE=1"):
+        vtdense.create_backbone("swin_tiny", pretrained=True, **TINY)  # the default weights, not in this cache
     # a local file is used as is, even where its name could be a repo id
     local = tmp_path / "org" / "repo"
     local.parent.mkdir()
@@ -215,3 +215,32 @@ def test_swinv2_hub_checkpoint_gets_the_log_cpb_windows_it_was_trained_with(hub_
     larger = vtdense.create_backbone("swinv2_tiny", window_size=24, pretrained=plain, **small)
     assert larger.config["pretrained_window_size"] == [[16, 16]] * 3 + [[8, 8]]
     assert "normalised by pretrained_window_size=(16, 16, 16, 8)" in larger.load_report.notes[-1]
+
+
+def test_pretrained_true_loads_timms_default_weights(hub_cache) -> None:  # noqa: F811
+    """``pretrained=True`` fetches :data:`DEFAULT_WEIGHTS` (here from the offline cache)."""
+    src = randomize_(vtdense.create_backbone("swin_tiny", **TINY), seed=7)
+    hub_cache("timm/swin_tiny_patch4_window7_224.ms_in1k", {"model.safetensors": src.state_dict()})
+    model = vtdense.create_backbone("swin_tiny", pretrained=True, **TINY)
+    _assert_backbone_has(model, src.state_dict())
+    with pytest.raises(ValueError, match=r"no default weights for 'swinv2_large'.*window_size=12"):
+        vtdense.create_backbone("swinv2_large", pretrained=True)
+
+
+def test_default_weights_are_timms_defaults_and_fit_the_default_backbones() -> None:
+    """Every :data:`DEFAULT_WEIGHTS` id is timm's default tag for its network, and timm's model of it
+    loads into the backbone built with the defaults (shapes checked on the meta device; only the
+    detection output norms, which classification weights lack, stay missing)."""
+    from timm.models import get_pretrained_cfg
+
+    from vtdense.backbones.registry import DEFAULT_WEIGHTS
+
+    assert set(DEFAULT_WEIGHTS) == set(vtdense.list_backbones()) - {"swinv2_large"}
+    for name, hub_id in DEFAULT_WEIGHTS.items():
+        arch = hub_id.split("/")[1].split(".")[0]
+        assert get_pretrained_cfg(arch).hf_hub_id == hub_id, name
+        with torch.device("meta"):
+            reference = timm.create_model(arch, pretrained=False)
+            ours = vtdense.create_backbone(name)
+        report = vtdense.load_pretrained(ours, reference.state_dict())
+        assert not report.unexpected and all(k.startswith("out_norms.") for k in report.missing), (name, report.missing)

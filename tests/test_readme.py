@@ -135,6 +135,7 @@ def run_checkpoints(tmp_path: Path, hub_cache: Callable[..., Path], **_: Any) ->
     assert len(resized) == 12 and all(new == (23 * 23, old[1]) for _, old, new, _ in resized)
     reloaded = vtdense.create_backbone("swin_tiny", pretrained="timm/swin_tiny_patch4_window7_224.ms_in1k")
     assert torch.equal(ns["backbone"].patch_embed.proj.weight, reloaded.patch_embed.proj.weight)
+    assert torch.equal(ns["same"].patch_embed.proj.weight, reloaded.patch_embed.proj.weight)  # pretrained=True
 
 
 def run_detection(tmp_path: Path, **_: Any) -> None:
