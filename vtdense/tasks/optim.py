@@ -113,7 +113,7 @@ def param_groups(
 class StepLambdaLR(torch.optim.lr_scheduler.LambdaLR):
     """``LambdaLR`` over the optimizer's groups when it was made; a group added later keeps the rate
     it is given. Lightning's ``BackboneFinetuning`` adds the unfrozen backbone's group and sets its
-    rate itself at every epoch; since torch 2.11 a plain ``LambdaLR`` stops at the next step there
+    rate itself at every epoch; on torch 2.14 a plain ``LambdaLR`` stops at the next step there
     ("zip() argument 2 is shorter than argument 1")."""
 
     def get_lr(self) -> list[float]:
