@@ -54,3 +54,16 @@ def test_feature_info_modules_emit_the_stage_maps(name: str) -> None:
     for (key, fmap), m, c, s in zip(out.items(), info.module_name(), info.channels(), info.reduction()):
         assert fmap.shape[1:] == (c, 64 // s, 96 // s), key
         torch.testing.assert_close(seen[m].permute(0, 3, 1, 2), fmap, rtol=0, atol=0)
+
+
+def test_a_backbone_without_stage_sizes_says_so() -> None:
+    from vtdense.backbones.base import Backbone
+
+    class Mine(Backbone):
+        out_indices = (0,)
+
+        def stage_modules(self) -> list[torch.nn.Module]:
+            return []
+
+    with pytest.raises(NotImplementedError, match="Mine sets no stage_channels / stage_strides"):
+        Mine().feature_info

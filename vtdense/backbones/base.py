@@ -267,6 +267,9 @@ class Backbone(nn.Module):
         """The stages' channels, strides and module names in timm's ``feature_info`` form
         (:class:`FeatureInfo`): ``backbone.feature_info.channels()`` equals ``out_channels`` and
         ``reduction()`` ``out_strides``, as for timm's ``features_only`` model of the same network."""
+        if "stage_channels" not in self.__dict__ or "stage_strides" not in self.__dict__:
+            # (not an AttributeError: nn.Module would report this property itself as missing)
+            raise NotImplementedError(f"{type(self).__name__} sets no stage_channels / stage_strides, which feature_info reads")
         names = {id(m): n for n, m in self.named_modules()}
         info = [dict(num_chs=c, reduction=s, module=names[id(m)], index=i)
                 for i, (m, c, s) in enumerate(zip(self.stage_modules(), self.stage_channels, self.stage_strides))]
