@@ -47,8 +47,8 @@ from vtdense.models.mask_rois import check_mask_rois_multiple
 from vtdense.options import check_int, check_number
 from vtdense.tasks.base import BaseTask, format_class_table
 from vtdense.tasks.optim import (
-    apply_layer_decay,
     StepLambdaLR,
+    apply_layer_decay,
     check_no_decay,
     check_optimizer,
     check_schedule_numbers,

@@ -42,8 +42,8 @@ from vtdense.models.segmentation import (
 from vtdense.options import check_int, check_number
 from vtdense.tasks.base import BaseTask, format_class_table
 from vtdense.tasks.optim import (
-    adamw,
     StepLambdaLR,
+    adamw,
     apply_layer_decay,
     check_no_decay,
     check_schedule_numbers,
