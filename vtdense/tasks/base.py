@@ -40,6 +40,7 @@ from lightning.pytorch.trainer.states import RunningStage
 from torch import Tensor
 from torch.utils.data import DistributedSampler
 
+from vtdense.backbones.base import Backbone
 from vtdense.data.errors import SKIP_REPORT_NAME, read_skip_report, write_skip_report
 from vtdense.distributed import destroy_process_group_at_exit
 from vtdense.files import temp_path_beside
@@ -359,8 +360,6 @@ class BaseTask(LightningModule):
     def on_train_epoch_start(self) -> None:
         """Keep the backbones' ``frozen_stages`` frozen after a fine-tuning callback, which runs
         first, made the whole backbone trainable."""
-        from vtdense.backbones.base import Backbone
-
         for m in self.modules():
             if isinstance(m, Backbone) and m.frozen_stages >= 0:
                 m.train(m.training)

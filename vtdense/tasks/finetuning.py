@@ -28,6 +28,8 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
+from vtdense.backbones.base import Backbone
+
 __all__ = ["check_finetuning_callbacks", "trainable_param_ids", "sync_unwrapped_grads", "train_optimized_params",
            "frozen_backbone_param_ids"]
 
@@ -91,8 +93,6 @@ def sync_unwrapped_grads(module: nn.Module, wrapped: frozenset[int] | None, trai
 
 def frozen_backbone_param_ids(module: nn.Module) -> frozenset[int]:
     """Ids of the parameters the vtdense backbones in ``module`` keep frozen (``frozen_stages``)."""
-    from vtdense.backbones.base import Backbone
-
     return frozenset(id(p) for b in module.modules() if isinstance(b, Backbone)
                      for m in b.frozen_modules() for p in m.parameters())
 
